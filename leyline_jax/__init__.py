@@ -1,0 +1,23 @@
+"""Leyline-JAX: serving-side KV-cache editing for Multi-head Latent Attention models.
+
+The functional core: configuration, RoPE, the Flax MLA model and its Hugging Face loader.
+
+Dimension letters used in shape comments across the package:
+    B batch (sequences)    T query tokens       S key slots          P pages
+    L layers               N attention heads    H hidden size        V vocabulary
+    R kv_lora_rank         Dr qk_rope_head_dim  Dn qk_nope_head_dim  Dv v_head_dim
+    E routed experts       I expert intermediate size                k experts per token
+"""
+
+from leyline_jax.config import ConfigError, MLAConfig
+from leyline_jax.loader import CheckpointError, CheckpointNotFoundError, load_model
+from leyline_jax.model import MLAModel
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "ConfigError",
+    "MLAConfig",
+    "MLAModel",
+    "load_model",
+]

@@ -1,0 +1,351 @@
+"""`MLAConfig`: one frozen configuration for the MLA families that transformers ships.
+
+Built from a Hugging Face `config.json` of `deepseek_v2`, `deepseek_v3` (also Moonlight/Kimi-style
+checkpoints) or `glm4_moe_lite` (GLM-4.7-Flash). The semantics follow the transformers reference
+modeling code for each family; a field the model cannot honour raises `ConfigError` naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Mapping
+from typing import Any
+
+FAMILIES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")
+
+# Routing rules, one per family behaviour (see `leyline_jax.model.route`).
+ROUTER_SOFTMAX_GREEDY = "softmax_greedy"  # deepseek_v2, topk_method="greedy"
+ROUTER_SOFTMAX_GROUP_LIMITED = "softmax_group_limited"  # deepseek_v2, "group_limited_greedy"
+ROUTER_SIGMOID_GROUPED = "sigmoid_grouped"  # deepseek_v3 / glm4_moe_lite (noaux_tc)
+ROUTERS = (ROUTER_SOFTMAX_GREEDY, ROUTER_SOFTMAX_GROUP_LIMITED, ROUTER_SIGMOID_GROUPED)
+
+
+class ConfigError(ValueError):
+    """A configuration the model cannot honour (unknown family, unsupported field value)."""
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    # transformers `yarn_get_mscale` / `get_mscale`
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class MLAConfig:
+    """Static description of an MLA decoder. Derived quantities are properties.
+
+    RoPE layout: the checkpoint's `rope_interleave` says how its rope band pairs dimensions
+    (True: pairs (2i, 2i+1), as DeepSeek trains them; False: pairs (i, i + Dr/2)). The loader
+    permutes weights so that, inside this package, the rope band is always in the halves layout;
+    one rotation code path serves every family.
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    intermediate_size: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    # RoPE
+    rope_theta: float = 10000.0
+    rope_type: str = "default"  # "default" | "yarn"
+    rope_interleave: bool = True
+    rope_factor: float | None = None
+    rope_original_max_position_embeddings: int | None = None
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_mscale: float | None = None
+    rope_mscale_all_dim: float | None = None
+    rope_attention_factor: float | None = None  # explicit override, as transformers allows
+    rope_truncate: bool = True
+    # MLP / MoE
+    mlp_layer_types: tuple[str, ...] = ()  # per layer: "dense" | "sparse"
+    moe_intermediate_size: int = 0
+    n_routed_experts: int = 0
+    n_shared_experts: int = 0
+    num_experts_per_tok: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    router: str = ROUTER_SIGMOID_GROUPED
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = False
+    # tensors the reference ignores: multi-token-prediction layers after the last decoder layer
+    num_mtp_layers: int = 0
+
+    def __post_init__(self):
+        if self.model_type not in FAMILIES:
+            raise ConfigError(f"model_type={self.model_type!r} is not one of {FAMILIES}")
+        if len(self.mlp_layer_types) != self.num_hidden_layers:
+            raise ConfigError(
+                f"mlp_layer_types has {len(self.mlp_layer_types)} entries for "
+                f"num_hidden_layers={self.num_hidden_layers}"
+            )
+        bad = sorted(set(self.mlp_layer_types) - {"dense", "sparse"})
+        if bad:
+            raise ConfigError(f"mlp_layer_types: unknown layer types {bad}")
+        if self.qk_rope_head_dim % 2:
+            raise ConfigError(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even")
+        if self.rope_type not in ("default", "yarn"):
+            raise ConfigError(f"rope type {self.rope_type!r} is not supported (default, yarn)")
+        if self.rope_type == "yarn" and self.rope_original_max_position_embeddings is None:
+            raise ConfigError("yarn RoPE needs original_max_position_embeddings")
+        if self.router not in ROUTERS:
+            raise ConfigError(f"router={self.router!r} is not one of {ROUTERS}")
+        if self.has_moe:
+            for name in ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size"):
+                if getattr(self, name) <= 0:
+                    raise ConfigError(f"{name} must be positive when a layer is sparse")
+            if self.n_routed_experts % self.n_group:
+                raise ConfigError(
+                    f"n_routed_experts={self.n_routed_experts} is not divisible by "
+                    f"n_group={self.n_group}"
+                )
+            if not 1 <= self.topk_group <= self.n_group:
+                raise ConfigError(f"topk_group={self.topk_group} must be in [1, n_group]")
+            if self.num_experts_per_tok > self.n_routed_experts:
+                raise ConfigError("num_experts_per_tok exceeds n_routed_experts")
+            if (
+                self.router == ROUTER_SIGMOID_GROUPED
+                and self.n_routed_experts // self.n_group < 2
+            ):
+                raise ConfigError("sigmoid grouped routing needs at least 2 experts per group")
+
+    # ---- derived ---------------------------------------------------------------------------
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def has_moe(self) -> bool:
+        return "sparse" in self.mlp_layer_types
+
+    def is_sparse(self, layer: int) -> bool:
+        return self.mlp_layer_types[layer] == "sparse"
+
+    @property
+    def yarn_factor(self) -> float:
+        if self.rope_factor is not None:
+            return float(self.rope_factor)
+        # transformers: a missing factor is max_position_embeddings / original
+        return self.max_position_embeddings / self.rope_original_max_position_embeddings
+
+    @property
+    def rope_scale(self) -> float:
+        """YaRN attention factor multiplied into cos/sin (so it is baked into cached k_pe)."""
+        if self.rope_type != "yarn":
+            return 1.0
+        if self.rope_attention_factor is not None:
+            return float(self.rope_attention_factor)
+        factor = self.yarn_factor
+        if self.rope_mscale and self.rope_mscale_all_dim:
+            return _yarn_mscale(factor, self.rope_mscale) / _yarn_mscale(
+                factor, self.rope_mscale_all_dim
+            )
+        return _yarn_mscale(factor)
+
+    @property
+    def softmax_scale(self) -> float:
+        """qk_head_dim**-0.5, times mscale(factor, mscale_all_dim)**2 under YaRN (as the reference)."""
+        scale = self.qk_head_dim**-0.5
+        if self.rope_type == "yarn" and self.rope_mscale_all_dim:
+            m = _yarn_mscale(self.yarn_factor, self.rope_mscale_all_dim)
+            scale *= m * m
+        return scale
+
+    # ---- (de)serialisation -----------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["mlp_layer_types"] = list(self.mlp_layer_types)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> MLAConfig:
+        d = dict(d)
+        d["mlp_layer_types"] = tuple(d["mlp_layer_types"])
+        return cls(**d)
+
+    @classmethod
+    def from_hf(cls, path_or_dict: str | os.PathLike | Mapping[str, Any]) -> MLAConfig:
+        """Build from a Hugging Face `config.json` (a checkpoint directory, the file, or its dict)."""
+        if isinstance(path_or_dict, Mapping):
+            hf = dict(path_or_dict)
+        else:
+            path = os.fspath(path_or_dict)
+            if os.path.isdir(path):
+                path = os.path.join(path, "config.json")
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"no config.json at {path}")
+            with open(path) as f:
+                try:
+                    hf = json.load(f)
+                except json.JSONDecodeError as e:
+                    raise ConfigError(f"{path} is not valid JSON: {e}") from e
+        return _from_hf_dict(hf)
+
+
+# Where a config.json omits a field, transformers uses its config class default, and those
+# differ between families (e.g. routed_scaling_factor 1.0 / 2.5 / 1.8). Same defaults here.
+_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "deepseek_v2": dict(
+        rms_norm_eps=1e-6, max_position_embeddings=2048, routed_scaling_factor=1.0,
+        n_group=None, topk_group=None, first_k_dense_replace=0, n_shared_experts=2,
+        n_routed_experts=64, moe_intermediate_size=1407, num_experts_per_tok=None,
+        q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, topk_method="greedy", norm_topk_prob=False,
+    ),
+    "deepseek_v3": dict(
+        rms_norm_eps=1e-6, max_position_embeddings=4096, routed_scaling_factor=2.5,
+        n_group=8, topk_group=4, first_k_dense_replace=3, n_shared_experts=1,
+        n_routed_experts=256, moe_intermediate_size=2048, num_experts_per_tok=8,
+        q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, norm_topk_prob=True, rope_interleave=True,
+    ),
+    "glm4_moe_lite": dict(
+        rms_norm_eps=1e-5, max_position_embeddings=202752, routed_scaling_factor=1.8,
+        n_group=1, topk_group=1, n_shared_experts=1, n_routed_experts=64,
+        moe_intermediate_size=1536, num_experts_per_tok=4, q_lora_rank=768, kv_lora_rank=512,
+        qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256, norm_topk_prob=True,
+        rope_interleave=True,
+    ),
+}
+
+
+def _from_hf_dict(hf: dict[str, Any]) -> MLAConfig:
+    family = hf.get("model_type")
+    if family not in FAMILIES:
+        raise ConfigError(f"unknown model_type {family!r}: supported are {FAMILIES}")
+    hf = {**_FAMILY_DEFAULTS[family], **hf}  # an explicit null stays null, as in transformers
+
+    def need(key):
+        if hf.get(key) is None:
+            raise ConfigError(f"{family} config.json is missing {key!r}")
+        return hf[key]
+
+    def refuse(key, ok, why):
+        if key in hf and hf[key] is not None and not ok(hf[key]):
+            raise ConfigError(f"{key}={hf[key]!r} is not supported: {why}")
+
+    refuse("hidden_act", lambda v: v == "silu", "only SiLU MLPs are implemented")
+    refuse("attention_bias", lambda v: v is False, "MLA projections with bias are not implemented")
+    refuse("mlp_bias", lambda v: v is False, "MLPs with bias are not implemented")
+    refuse("moe_layer_freq", lambda v: v == 1,
+           "the reference places a MoE block on every layer from first_k_dense_replace on")
+    refuse("pretraining_tp", lambda v: v == 1, "tensor-parallel pretraining splits are not modelled")
+    refuse("partial_rotary_factor", lambda v: v == 1 or v == 1.0, "partial RoPE is not modelled")
+
+    layers = int(need("num_hidden_layers"))
+
+    # ---- RoPE: new-style `rope_parameters`, or old-style `rope_theta` + `rope_scaling` -----
+    rope = dict(hf.get("rope_parameters") or {})
+    old = hf.get("rope_scaling") or {}
+    for k, v in old.items():
+        rope.setdefault(k, v)
+    if any(isinstance(v, dict) for v in rope.values()):
+        raise ConfigError("rope_parameters nested per layer type are not supported")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    refuse_rope = {"default", "yarn"}
+    if rope_type not in refuse_rope:
+        raise ConfigError(f"rope_type={rope_type!r} is not supported (default, yarn)")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ConfigError("rope_parameters.partial_rotary_factor != 1 is not supported")
+    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    rope_kw: dict[str, Any] = {"rope_theta": float(theta), "rope_type": rope_type}
+    if rope_type == "yarn":
+        omax = hf.get("original_max_position_embeddings") or rope.get(
+            "original_max_position_embeddings", hf.get("max_position_embeddings")
+        )
+        rope_kw.update(
+            rope_factor=rope.get("factor"),
+            rope_original_max_position_embeddings=int(omax),
+            rope_beta_fast=float(rope.get("beta_fast") or 32),
+            rope_beta_slow=float(rope.get("beta_slow") or 1),
+            rope_mscale=rope.get("mscale"),
+            rope_mscale_all_dim=rope.get("mscale_all_dim"),
+            rope_attention_factor=rope.get("attention_factor"),
+            rope_truncate=bool(rope.get("truncate", True)),
+        )
+    # V2 applies RoPE on complex views of interleaved pairs; V3/GLM honour `rope_interleave`.
+    interleave = True if family == "deepseek_v2" else bool(hf.get("rope_interleave", True))
+
+    # ---- MLP layer types ------------------------------------------------------------------
+    if family == "glm4_moe_lite":
+        types = hf.get("mlp_layer_types") or ["dense"] + ["sparse"] * (layers - 1)
+    else:
+        k = int(hf.get("first_k_dense_replace") or 0)
+        types = ["dense"] * min(k, layers) + ["sparse"] * max(layers - k, 0)
+    types = tuple(types)
+
+    # ---- routing --------------------------------------------------------------------------
+    if family == "deepseek_v2":
+        method = hf.get("topk_method") or "greedy"
+        if method == "greedy":
+            router = ROUTER_SOFTMAX_GREEDY
+        elif method == "group_limited_greedy":
+            router = ROUTER_SOFTMAX_GROUP_LIMITED
+        else:
+            raise ConfigError(
+                f"topk_method={method!r} is not supported for deepseek_v2 "
+                "(greedy, group_limited_greedy)"
+            )
+        refuse("norm_topk_prob", lambda v: v is False,
+               "the deepseek_v2 reference never normalises top-k weights")
+        norm_topk = False
+        n_group = int(hf.get("n_group") or 1)
+        topk_group = int(hf.get("topk_group") or 1)
+    else:
+        refuse("scoring_func", lambda v: v == "sigmoid", f"{family} routes with sigmoid scores")
+        refuse("topk_method", lambda v: v == "noaux_tc", f"{family} routes with noaux_tc")
+        router = ROUTER_SIGMOID_GROUPED
+        norm_topk = bool(hf["norm_topk_prob"])
+        n_group = int(hf.get("n_group") or 1)
+        topk_group = int(hf.get("topk_group") or 1)
+
+    if family == "deepseek_v3":
+        mtp = int(hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 1)) or 0)
+    elif family == "glm4_moe_lite":
+        mtp = int(hf.get("num_nextn_predict_layers", 1) or 0)
+    else:
+        mtp = 0
+
+    q_lora = hf.get("q_lora_rank")
+    return MLAConfig(
+        model_type=family,
+        vocab_size=int(need("vocab_size")),
+        hidden_size=int(need("hidden_size")),
+        num_hidden_layers=layers,
+        num_attention_heads=int(need("num_attention_heads")),
+        intermediate_size=int(need("intermediate_size")),
+        kv_lora_rank=int(need("kv_lora_rank")),
+        qk_nope_head_dim=int(need("qk_nope_head_dim")),
+        qk_rope_head_dim=int(need("qk_rope_head_dim")),
+        v_head_dim=int(need("v_head_dim")),
+        q_lora_rank=None if q_lora is None else int(q_lora),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        rope_interleave=interleave,
+        mlp_layer_types=types,
+        moe_intermediate_size=int(hf.get("moe_intermediate_size") or 0),
+        n_routed_experts=int(hf.get("n_routed_experts") or 0),
+        n_shared_experts=int(hf.get("n_shared_experts") or 0),
+        num_experts_per_tok=int(hf.get("num_experts_per_tok") or 0),
+        n_group=n_group,
+        topk_group=topk_group,
+        router=router,
+        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+        norm_topk_prob=norm_topk,
+        num_mtp_layers=mtp,
+        **rope_kw,
+    )

@@ -1,0 +1,359 @@
+"""The Flax (NNX) MLA decoder of the DeepSeek-V2/V3 and GLM-4.7-Flash families.
+
+Modules hold parameters; the math lives in pure functions (`rms_norm`, `mla_attention`, `route`,
+`moe_experts`) so that the paged prefill/decode path reuses it unchanged. Weights are stored
+`[in, out]` (`x @ kernel`); the rope band is in the halves layout (see `leyline_jax.rope`).
+
+Dtype policy, as the reference: parameters and activations in the model dtype; RMSNorm
+statistics, RoPE, softmax, the router and the logits in float32.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from leyline_jax import rope
+from leyline_jax.config import (
+    ROUTER_SIGMOID_GROUPED,
+    ROUTER_SOFTMAX_GREEDY,
+    ROUTER_SOFTMAX_GROUP_LIMITED,
+    MLAConfig,
+)
+
+# q_a_layernorm and kv_a_layernorm use eps 1e-6 whatever rms_norm_eps says (as the reference).
+LATENT_NORM_EPS = 1e-6
+
+
+# ---- pure functions --------------------------------------------------------------------------
+def rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float) -> jnp.ndarray:
+    """[..., D] -> [..., D]: statistics in fp32, normalised value cast back before the weight."""
+    x32 = x.astype(jnp.float32)
+    var = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+    return weight * (x32 * jax.lax.rsqrt(var + eps)).astype(x.dtype)
+
+
+def mla_attention(
+    q_nope: jnp.ndarray,  # [T, N, Dn]
+    q_pe: jnp.ndarray,  # [T, N, Dr], position embedded
+    c_kv: jnp.ndarray,  # [S, R], normalised latent
+    k_pe: jnp.ndarray,  # [S, Dr], position embedded
+    w_kb: jnp.ndarray,  # [R, N, Dn]: latent -> K_nope
+    w_vb: jnp.ndarray,  # [R, N, Dv]: latent -> V
+    mask: jnp.ndarray,  # bool[T, S], True where query t may attend slot s
+    scale: float,
+    *,
+    absorbed: bool = False,
+) -> jnp.ndarray:  # [T, N, Dv]
+    """Multi-head latent attention over a latent cache.
+
+    absorbed=False expands K_nope and V per head (cheaper when T is close to S: prefill);
+    absorbed=True multiplies queries into the latent space and never materialises per-head K/V
+    (cheaper when T << S: decode). The two are the same function up to rounding.
+    """
+    f32 = jnp.float32
+    if absorbed:
+        q_lat = jnp.einsum("tnd,rnd->tnr", q_nope, w_kb)
+        scores = jnp.einsum("tnr,sr->nts", q_lat, c_kv, preferred_element_type=f32)
+    else:
+        k_nope = jnp.einsum("sr,rnd->snd", c_kv, w_kb)
+        scores = jnp.einsum("tnd,snd->nts", q_nope, k_nope, preferred_element_type=f32)
+    scores = scores + jnp.einsum("tnd,sd->nts", q_pe, k_pe, preferred_element_type=f32)
+    scores = jnp.where(mask[None], scores * scale, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q_nope.dtype)
+    if absorbed:
+        out_lat = jnp.einsum("nts,sr->tnr", probs, c_kv)
+        return jnp.einsum("tnr,rnd->tnd", out_lat, w_vb)
+    v = jnp.einsum("sr,rnd->snd", c_kv, w_vb)
+    return jnp.einsum("nts,snd->tnd", probs, v)
+
+
+def route(
+    x: jnp.ndarray,  # [T, H]
+    weight: jnp.ndarray,  # f32[H, E]
+    bias: jnp.ndarray | None,  # f32[E] (e_score_correction_bias) or None
+    config: MLAConfig,
+) -> tuple[jnp.ndarray, jnp.ndarray]:  # f32[T, k] weights, i32[T, k] expert ids
+    """Top-k expert choice with the family's rule (transformers' `*TopkRouter.forward`)."""
+    logits = jnp.dot(x.astype(jnp.float32), weight.astype(jnp.float32))  # [T, E]
+    t, e = logits.shape
+    k, groups = config.num_experts_per_tok, config.n_group
+    per_group = e // groups
+
+    def group_mask(group_scores):  # [T, G] -> bool[T, E]: experts of the topk_group best groups
+        _, gidx = jax.lax.top_k(group_scores, config.topk_group)
+        gmask = jnp.zeros((t, groups), bool).at[jnp.arange(t)[:, None], gidx].set(True)
+        return jnp.repeat(gmask, per_group, axis=-1)
+
+    if config.router == ROUTER_SOFTMAX_GREEDY:
+        scores = jax.nn.softmax(logits, axis=-1)
+        weights, idx = jax.lax.top_k(scores, k)
+    elif config.router == ROUTER_SOFTMAX_GROUP_LIMITED:
+        scores = jax.nn.softmax(logits, axis=-1)
+        gscores = scores.reshape(t, groups, per_group).max(axis=-1)
+        scores = jnp.where(group_mask(gscores), scores, 0.0)
+        weights, idx = jax.lax.top_k(scores, k)
+    elif config.router == ROUTER_SIGMOID_GROUPED:
+        scores = jax.nn.sigmoid(logits)
+        choice = scores + bias if bias is not None else scores
+        top2, _ = jax.lax.top_k(choice.reshape(t, groups, per_group), 2)
+        choice = jnp.where(group_mask(top2.sum(-1)), choice, -jnp.inf)
+        _, idx = jax.lax.top_k(choice, k)
+        weights = jnp.take_along_axis(scores, idx, axis=-1)
+        if config.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    else:  # MLAConfig validates the router name; this is unreachable
+        raise AssertionError(config.router)
+    return weights * config.routed_scaling_factor, idx
+
+
+def swiglu(x: jnp.ndarray, gate: jnp.ndarray, up: jnp.ndarray, down: jnp.ndarray) -> jnp.ndarray:
+    """[..., H] -> [..., H]: down(silu(x @ gate) * (x @ up))."""
+    return (jax.nn.silu(x @ gate) * (x @ up)) @ down
+
+
+def moe_experts(
+    x: jnp.ndarray,  # [T, H]
+    weights: jnp.ndarray,  # f32[T, k]
+    idx: jnp.ndarray,  # i32[T, k]
+    gate: jnp.ndarray,  # [E, H, I]
+    up: jnp.ndarray,  # [E, H, I]
+    down: jnp.ndarray,  # [E, I, H]
+) -> jnp.ndarray:  # [T, H]
+    """Weighted sum of the chosen experts' SwiGLU outputs.
+
+    Dense dispatch: every expert runs on every token and unchosen experts get weight 0. Exact and
+    shape-static; it costs E/k times the routed flops, which is fine for the tiny and bench
+    configs this project tests on (a grouped/ragged dispatch is the upgrade for large E).
+    """
+    t, e = x.shape[0], gate.shape[0]
+    combine = jnp.zeros((t, e), jnp.float32).at[jnp.arange(t)[:, None], idx].add(weights)
+    h = jax.nn.silu(jnp.einsum("th,ehi->tei", x, gate)) * jnp.einsum("th,ehi->tei", x, up)
+    y = jnp.einsum("tei,eih->teh", h, down)
+    return jnp.einsum("teh,te->th", y.astype(jnp.float32), combine).astype(x.dtype)
+
+
+@functools.lru_cache(maxsize=32)
+def _inv_freq(config: MLAConfig) -> np.ndarray:
+    return rope.inv_freq(config)
+
+
+# ---- modules ---------------------------------------------------------------------------------
+# Parameters are created as zeros/ones: models are always built abstractly (nnx.eval_shape) and
+# filled from a checkpoint by `leyline_jax.loader`, never trained from this initialisation.
+class Linear(nnx.Module):
+    def __init__(self, din: int, dout: int, dtype):
+        self.kernel = nnx.Param(jnp.zeros((din, dout), dtype))  # [in, out]
+
+    def __call__(self, x):
+        return x @ self.kernel[...]
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x):
+        return rms_norm(x, self.weight[...], self.eps)
+
+
+class MLAAttention(nnx.Module):
+    def __init__(self, config: MLAConfig, dtype):
+        c = config
+        self.config = c
+        n, dqk = c.num_attention_heads, c.qk_head_dim
+        if c.q_lora_rank is None:
+            self.q_proj = Linear(c.hidden_size, n * dqk, dtype)
+        else:
+            self.q_a_proj = Linear(c.hidden_size, c.q_lora_rank, dtype)
+            self.q_a_norm = RMSNorm(c.q_lora_rank, LATENT_NORM_EPS, dtype)
+            self.q_b_proj = Linear(c.q_lora_rank, n * dqk, dtype)
+        self.kv_a_proj = Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, dtype)
+        self.kv_a_norm = RMSNorm(c.kv_lora_rank, LATENT_NORM_EPS, dtype)
+        self.kv_b_proj = Linear(c.kv_lora_rank, n * (c.qk_nope_head_dim + c.v_head_dim), dtype)
+        self.o_proj = Linear(n * c.v_head_dim, c.hidden_size, dtype)
+
+    def queries(self, x, positions):
+        """[T, H], i32[T] -> q_nope [T, N, Dn], q_pe [T, N, Dr] (position embedded)."""
+        c = self.config
+        q = self.q_proj(x) if c.q_lora_rank is None else self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
+        q = q.reshape(*x.shape[:-1], c.num_attention_heads, c.qk_head_dim)
+        q_nope, q_pe = q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim :]
+        q_pe = rope.apply_rope(q_pe, positions, _inv_freq(c), c.rope_scale, heads_axis=True)
+        return q_nope, q_pe
+
+    def latent(self, x, positions):
+        """[T, H], i32[T] -> c_kv [T, R] (normalised), k_pe [T, Dr] (embedded): what a cache holds."""
+        c = self.config
+        kv = self.kv_a_proj(x)
+        c_kv = self.kv_a_norm(kv[..., : c.kv_lora_rank])
+        k_pe = rope.apply_rope(kv[..., c.kv_lora_rank :], positions, _inv_freq(c), c.rope_scale)
+        return c_kv, k_pe
+
+    def kv_up(self):
+        """w_kb [R, N, Dn], w_vb [R, N, Dv]: the up-projections of the latent."""
+        c = self.config
+        w = self.kv_b_proj.kernel[...].reshape(
+            c.kv_lora_rank, c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim
+        )
+        return w[..., : c.qk_nope_head_dim], w[..., c.qk_nope_head_dim :]
+
+    def output(self, o):
+        """[T, N, Dv] -> [T, H]."""
+        return self.o_proj(o.reshape(*o.shape[:-2], -1))
+
+    def __call__(self, x, positions):
+        """Causal self-attention over one whole sequence: [T, H], i32[T] -> [T, H]."""
+        q_nope, q_pe = self.queries(x, positions)
+        c_kv, k_pe = self.latent(x, positions)
+        w_kb, w_vb = self.kv_up()
+        t = x.shape[0]
+        mask = jnp.tril(jnp.ones((t, t), bool))
+        o = mla_attention(q_nope, q_pe, c_kv, k_pe, w_kb, w_vb, mask, self.config.softmax_scale)
+        return self.output(o)
+
+
+class MLP(nnx.Module):
+    def __init__(self, hidden: int, inter: int, dtype):
+        self.gate_proj = Linear(hidden, inter, dtype)
+        self.up_proj = Linear(hidden, inter, dtype)
+        self.down_proj = Linear(inter, hidden, dtype)
+
+    def __call__(self, x):
+        return swiglu(x, self.gate_proj.kernel[...], self.up_proj.kernel[...],
+                      self.down_proj.kernel[...])
+
+
+class Router(nnx.Module):
+    def __init__(self, config: MLAConfig):
+        self.config = config
+        e = config.n_routed_experts
+        # the router stays float32 whatever the model dtype (as the reference keeps it)
+        self.weight = nnx.Param(jnp.zeros((config.hidden_size, e), jnp.float32))  # f32[H, E]
+        if config.router == ROUTER_SIGMOID_GROUPED:
+            self.bias = nnx.Param(jnp.zeros((e,), jnp.float32))  # e_score_correction_bias
+        else:
+            self.bias = None
+
+    def __call__(self, x):
+        bias = None if self.bias is None else self.bias[...]
+        return route(x, self.weight[...], bias, self.config)
+
+
+class Experts(nnx.Module):
+    def __init__(self, config: MLAConfig, dtype):
+        e, h, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        self.gate = nnx.Param(jnp.zeros((e, h, i), dtype))  # [E, H, I]
+        self.up = nnx.Param(jnp.zeros((e, h, i), dtype))  # [E, H, I]
+        self.down = nnx.Param(jnp.zeros((e, i, h), dtype))  # [E, I, H]
+
+    def __call__(self, x, weights, idx):
+        return moe_experts(x, weights, idx, self.gate[...], self.up[...], self.down[...])
+
+
+class MoE(nnx.Module):
+    def __init__(self, config: MLAConfig, dtype):
+        self.router = Router(config)
+        self.experts = Experts(config, dtype)
+        shared = config.moe_intermediate_size * config.n_shared_experts
+        self.shared = MLP(config.hidden_size, shared, dtype) if shared else None
+
+    def __call__(self, x):
+        weights, idx = self.router(x)
+        out = self.experts(x, weights, idx)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        return out
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config: MLAConfig, layer: int, dtype):
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.attn = MLAAttention(config, dtype)
+        self.post_attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        if config.is_sparse(layer):
+            self.mlp = MoE(config, dtype)
+        else:
+            self.mlp = MLP(config.hidden_size, config.intermediate_size, dtype)
+
+    def feed_forward(self, h):
+        """The post-attention half of the block: h + mlp(norm(h))."""
+        return h + self.mlp(self.post_attention_norm(h))
+
+    def __call__(self, h, positions):
+        h = h + self.attn(self.input_norm(h), positions)
+        return self.feed_forward(h)
+
+
+class MLAModel(nnx.Module):
+    """A causal LM. `model(tokens)` is the full-sequence forward: i32[T] -> f32[T, vocab].
+
+    Build one with `leyline_jax.load_model` (from a Hugging Face checkpoint) or
+    `leyline_jax.loader.model_from_params`.
+    """
+
+    def __init__(self, config: MLAConfig, dtype=jnp.float32):
+        self.config = config
+        self.dtype = jnp.dtype(dtype)
+        self.embed = nnx.Param(jnp.zeros((config.vocab_size, config.hidden_size), dtype))  # [V, H]
+        self.layers = nnx.List(
+            [DecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers)]
+        )
+        self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        # tied embeddings reuse `embed` as the LM head
+        self.lm_head = None if config.tie_word_embeddings else Linear(
+            config.hidden_size, config.vocab_size, dtype
+        )
+
+    def embed_tokens(self, tokens):
+        return jnp.take(self.embed[...], tokens, axis=0)
+
+    def logits(self, h):
+        """[..., H] (after the final norm) -> f32[..., V]."""
+        if self.lm_head is None:
+            out = h @ self.embed[...].T
+        else:
+            out = self.lm_head(h)
+        return out.astype(jnp.float32)
+
+    def forward(self, tokens, positions):
+        """Traceable full-sequence forward: i32[T], i32[T] -> f32[T, V]."""
+        h = self.embed_tokens(tokens)
+        for layer in self.layers:
+            h = layer(h, positions)
+        return self.logits(self.final_norm(h))
+
+    def __call__(self, tokens) -> jnp.ndarray:
+        """Full-sequence forward of one sequence from position 0, jitted: i32[T] -> f32[T, vocab].
+
+        Raises ValueError for a token array that is not 1-D, empty, or holds ids outside
+        [0, vocab_size).
+        """
+        tokens = check_tokens(tokens, self.config.vocab_size)
+        graphdef, state = nnx.split(self)
+        return _forward_jit(graphdef, state, tokens)
+
+
+def check_tokens(tokens, vocab_size: int) -> jnp.ndarray:
+    """Validate a 1-D array of token ids on the host; returns it as i32."""
+    arr = np.asarray(tokens)
+    if arr.ndim != 1 or arr.size == 0:
+        raise ValueError(f"tokens must be a non-empty 1-D array, got shape {arr.shape}")
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"tokens must be integers, got dtype {arr.dtype}")
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+    return jnp.asarray(arr, jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward_jit(graphdef, state, tokens):
+    model = nnx.merge(graphdef, state)
+    return model.forward(tokens, jnp.arange(tokens.shape[0], dtype=jnp.int32))

@@ -1,0 +1,103 @@
+"""RoPE and YaRN as pure functions, in the one layout the package uses: halves.
+
+Pair i of a rope band of width Dr is (x[i], x[i + Dr/2]), rotated by phase `position * inv_freq[i]`.
+Checkpoints that pair dimensions interleaved ((x[2i], x[2i+1])) are permuted at load time
+(`deinterleave_perm`), so every code path here, and the splice kernel, sees one layout.
+
+Phases are computed the way the reference does: fp32 `position * inv_freq`. YaRN's attention factor
+(`MLAConfig.rope_scale`) multiplies cos/sin when a key or query is first embedded
+(`apply_rope`), exactly where transformers applies it, and so is baked into cached `k_pe`.
+`rotate` is a pure, unit-magnitude rotation (for moving already-embedded keys): it never applies
+the attention factor again.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+from leyline_jax.config import MLAConfig
+
+
+def inv_freq(config: MLAConfig) -> np.ndarray:
+    """f32[Dr/2] inverse frequencies (YaRN-corrected when the config says so).
+
+    Mirrors transformers' `compute_default_rope_parameters` / `_compute_yarn_parameters` step by
+    step in float32, so that phases agree with the reference to the last few ulps.
+    """
+    dim = config.qk_rope_head_dim
+    base = np.float32(config.rope_theta)
+    exponents = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
+    pos_freqs = np.power(base, exponents, dtype=np.float32)
+    if config.rope_type != "yarn":
+        return (np.float32(1.0) / pos_freqs).astype(np.float32)
+
+    factor = np.float32(config.yarn_factor)
+    extrapolation = np.float32(1.0) / pos_freqs
+    interpolation = np.float32(1.0) / (factor * pos_freqs)
+    omax = config.rope_original_max_position_embeddings
+
+    def correction_dim(num_rotations: float) -> float:
+        return (dim * math.log(omax / (num_rotations * 2 * math.pi))) / (
+            2 * math.log(config.rope_theta)
+        )
+
+    low = correction_dim(config.rope_beta_fast)
+    high = correction_dim(config.rope_beta_slow)
+    if config.rope_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # the reference's guard against a zero-width ramp
+    ramp = np.clip(
+        (np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1
+    ).astype(np.float32)
+    extrapolation_factor = np.float32(1.0) - ramp
+    out = interpolation * (np.float32(1.0) - extrapolation_factor) + (
+        extrapolation * extrapolation_factor
+    )
+    return out.astype(np.float32)
+
+
+def deinterleave_perm(dim: int) -> np.ndarray:
+    """i32[dim]: `x_halves = x_interleaved[perm]` (pair (2i, 2i+1) becomes pair (i, i + dim/2))."""
+    return np.concatenate([np.arange(0, dim, 2), np.arange(1, dim, 2)]).astype(np.int32)
+
+
+def phases(positions: jnp.ndarray, inv_freq_: jnp.ndarray) -> jnp.ndarray:
+    """f32[..., Dr/2] absolute phases `position * inv_freq`, in fp32 as the reference."""
+    return positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq_, jnp.float32)
+
+
+def _rotate_halves(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarray:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def apply_rope(
+    x: jnp.ndarray,  # [..., T, (N,) Dr] in the halves layout
+    positions: jnp.ndarray,  # i32[..., T]
+    inv_freq_: jnp.ndarray,  # f32[Dr/2]
+    scale: float = 1.0,  # YaRN attention factor (MLAConfig.rope_scale)
+    *,
+    heads_axis: bool = False,  # True when x has a head axis between T and Dr
+) -> jnp.ndarray:
+    """Embed position into a rope band: x -> scale * R(position) x, math in fp32, result in x.dtype."""
+    ph = phases(positions, inv_freq_)  # [..., T, Dr/2]
+    if heads_axis:
+        ph = ph[..., None, :]
+    cos = jnp.cos(ph) * scale
+    sin = jnp.sin(ph) * scale
+    return _rotate_halves(x.astype(jnp.float32), cos, sin).astype(x.dtype)
+
+
+def rotate(x: jnp.ndarray, phase: jnp.ndarray) -> jnp.ndarray:
+    """Unit-magnitude rotation of an embedded band by `phase` (f32[..., Dr/2]); fp32 math.
+
+    For moving a cached key from position p to q, pass `phase = phases(q) - phases(p)` so that the
+    result matches what embedding at q would have cached. R(a)R(b) = R(a+b); R(a)R(-a) = I.
+    """
+    return _rotate_halves(x.astype(jnp.float32), jnp.cos(phase), jnp.sin(phase)).astype(x.dtype)
