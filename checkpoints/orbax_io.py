@@ -1,0 +1,50 @@
+"""Save and restore converted `MLAModel` params with orbax-checkpoint.
+
+Layout of a saved directory: `mla_config.json` (the `MLAConfig` and the params dtype) and
+`params/` (an orbax StandardCheckpointer tree of the model's params).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from leyline_jax import MLAConfig, MLAModel
+from leyline_jax.loader import CheckpointNotFoundError, model_from_params
+
+CONFIG_FILE = "mla_config.json"
+
+
+def save_params(path: str | os.PathLike, model: MLAModel) -> Path:
+    """Write `model`'s config and params under `path` (which must not exist yet)."""
+    path = Path(path).absolute()
+    if path.exists():
+        raise FileExistsError(f"{path} already exists; orbax will not overwrite a checkpoint")
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(path / "params", params)
+        ckptr.wait_until_finished()
+    meta = {"config": model.config.to_dict(), "dtype": jnp.dtype(model.dtype).name}
+    (path / CONFIG_FILE).write_text(json.dumps(meta, indent=2))
+    return path
+
+
+def restore_params(path: str | os.PathLike) -> MLAModel:
+    """Rebuild the `MLAModel` saved by `save_params` at `path`."""
+    path = Path(path).absolute()
+    meta_file = path / CONFIG_FILE
+    if not meta_file.is_file() or not (path / "params").is_dir():
+        raise CheckpointNotFoundError(f"{path} holds no saved params ({CONFIG_FILE} + params/)")
+    meta = json.loads(meta_file.read_text())
+    config = MLAConfig.from_dict(meta["config"])
+    dtype = jnp.dtype(meta["dtype"])
+    abstract = nnx.eval_shape(lambda: MLAModel(config, dtype))
+    target = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
+    with ocp.StandardCheckpointer() as ckptr:
+        params = ckptr.restore(path / "params", target)
+    return model_from_params(config, params, dtype)
