@@ -1,0 +1,66 @@
+"""Shared fixtures: tiny checkpoints written once per test session into a temporary folder.
+
+`hf_ckpt(name)`: written by transformers' own classes (`save_pretrained`) — the reference writes
+its own files. `np_ckpt(name)`: written by our numpy-only writer (the embedded default).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+from checkpoints.tiny import (
+    TINY_HF_CONFIGS,
+    TINY_HF_VARIANTS,
+    make_hf_checkpoint,
+    write_random_checkpoint,
+)
+
+ALL_CONFIGS = {**TINY_HF_CONFIGS, **TINY_HF_VARIANTS}
+FAMILIES = tuple(TINY_HF_CONFIGS)
+ALL_NAMES = tuple(ALL_CONFIGS)
+
+
+@pytest.fixture(scope="session")
+def ckpt_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("tiny_checkpoints")
+
+
+@pytest.fixture(scope="session")
+def hf_ckpt(ckpt_root):
+    @functools.cache
+    def get(name: str):
+        return make_hf_checkpoint(ckpt_root / f"hf_{name}", ALL_CONFIGS[name], seed=1)
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def np_ckpt(ckpt_root):
+    @functools.cache
+    def get(name: str):
+        return write_random_checkpoint(ckpt_root / f"np_{name}", ALL_CONFIGS[name], seed=2)
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    """The transformers reference model for a checkpoint path (eager attention, fp32, eval)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    @functools.cache
+    def get(path):
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=torch.float32, attn_implementation="eager"
+        )
+        return model.eval()
+
+    return get
+
+
+def random_tokens(n: int, vocab: int = 256, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, vocab, size=n).astype(np.int32)
