@@ -68,8 +68,15 @@ TINY_HF_CONFIGS: dict[str, dict[str, Any]] = {
         max_position_embeddings=1024,  # = factor x original, as YaRN expects
         # old-style RoPE fields; mscale != mscale_all_dim so the YaRN attention factor is not 1
         rope_theta=10000.0,
-        rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=256,
-                          beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=0.707),
+        rope_scaling=dict(
+            type="yarn",
+            factor=4.0,
+            original_max_position_embeddings=256,
+            beta_fast=32,
+            beta_slow=1,
+            mscale=1.0,
+            mscale_all_dim=0.707,
+        ),
     ),
     "deepseek_v3": dict(
         _COMMON,
@@ -89,8 +96,9 @@ TINY_HF_CONFIGS: dict[str, dict[str, Any]] = {
         num_nextn_predict_layers=1,
         max_position_embeddings=1024,  # = factor x original, as YaRN expects
         # new-style RoPE; no mscale: the attention factor comes from the factor alone
-        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=8.0,
-                             original_max_position_embeddings=128),
+        rope_parameters=dict(
+            rope_type="yarn", rope_theta=10000.0, factor=8.0, original_max_position_embeddings=128
+        ),
     ),
     "glm4_moe_lite": dict(
         _COMMON,
@@ -113,8 +121,9 @@ TINY_HF_CONFIGS: dict[str, dict[str, Any]] = {
 
 # A variant for tests: a V3 checkpoint whose rope band is stored in halves (rope_interleave=False).
 TINY_HF_VARIANTS: dict[str, dict[str, Any]] = {
-    "deepseek_v3_halves": dict(TINY_HF_CONFIGS["deepseek_v3"], rope_interleave=False,
-                               tie_word_embeddings=False),
+    "deepseek_v3_halves": dict(
+        TINY_HF_CONFIGS["deepseek_v3"], rope_interleave=False, tie_word_embeddings=False
+    ),
 }
 
 FAMILIES = tuple(TINY_HF_CONFIGS)
@@ -172,15 +181,20 @@ def write_random_checkpoint(
             fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
             save_file(shard, str(out / fname), metadata={"format": "pt"})
             weight_map.update({name: fname for name in shard})
-        index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
-                 "weight_map": weight_map}
+        index = {
+            "metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
+            "weight_map": weight_map,
+        }
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     (out / "config.json").write_text(json.dumps({**hf_config, "dtype": dtype}, indent=2))
     return out
 
 
 def make_hf_checkpoint(
-    out_dir: str | os.PathLike, hf_config: dict[str, Any], *, seed: int = 0,
+    out_dir: str | os.PathLike,
+    hf_config: dict[str, Any],
+    *,
+    seed: int = 0,
     max_shard_size: str | None = None,
 ) -> Path:
     """Build the model with transformers' own classes and `save_pretrained` it (needs torch).
@@ -221,7 +235,9 @@ def ensure_default_checkpoints(root: str | os.PathLike = ".checkpoints") -> dict
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=".checkpoints", help="folder to write one subfolder per family")
+    ap.add_argument(
+        "--out", default=".checkpoints", help="folder to write one subfolder per family"
+    )
     ap.add_argument("--hf", action="store_true", help="write with transformers (needs torch)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)

@@ -116,10 +116,7 @@ class MLAConfig:
                 raise ConfigError(f"topk_group={self.topk_group} must be in [1, n_group]")
             if self.num_experts_per_tok > self.n_routed_experts:
                 raise ConfigError("num_experts_per_tok exceeds n_routed_experts")
-            if (
-                self.router == ROUTER_SIGMOID_GROUPED
-                and self.n_routed_experts // self.n_group < 2
-            ):
+            if self.router == ROUTER_SIGMOID_GROUPED and self.n_routed_experts // self.n_group < 2:
                 raise ConfigError("sigmoid grouped routing needs at least 2 experts per group")
 
     # ---- derived ---------------------------------------------------------------------------
@@ -157,7 +154,7 @@ class MLAConfig:
 
     @property
     def softmax_scale(self) -> float:
-        """qk_head_dim**-0.5, times mscale(factor, mscale_all_dim)**2 under YaRN (as the reference)."""
+        """qk_head_dim**-0.5, times mscale(factor, mscale_all_dim)**2 under YaRN (as HF)."""
         scale = self.qk_head_dim**-0.5
         if self.rope_type == "yarn" and self.rope_mscale_all_dim:
             m = _yarn_mscale(self.yarn_factor, self.rope_mscale_all_dim)
@@ -178,7 +175,7 @@ class MLAConfig:
 
     @classmethod
     def from_hf(cls, path_or_dict: str | os.PathLike | Mapping[str, Any]) -> MLAConfig:
-        """Build from a Hugging Face `config.json` (a checkpoint directory, the file, or its dict)."""
+        """From a Hugging Face `config.json`: a checkpoint directory, the file, or its dict."""
         if isinstance(path_or_dict, Mapping):
             hf = dict(path_or_dict)
         else:
@@ -199,24 +196,59 @@ class MLAConfig:
 # differ between families (e.g. routed_scaling_factor 1.0 / 2.5 / 1.8). Same defaults here.
 _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "deepseek_v2": dict(
-        rms_norm_eps=1e-6, max_position_embeddings=2048, routed_scaling_factor=1.0,
-        n_group=None, topk_group=None, first_k_dense_replace=0, n_shared_experts=2,
-        n_routed_experts=64, moe_intermediate_size=1407, num_experts_per_tok=None,
-        q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
-        v_head_dim=128, topk_method="greedy", norm_topk_prob=False,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=2048,
+        routed_scaling_factor=1.0,
+        n_group=None,
+        topk_group=None,
+        first_k_dense_replace=0,
+        n_shared_experts=2,
+        n_routed_experts=64,
+        moe_intermediate_size=1407,
+        num_experts_per_tok=None,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        topk_method="greedy",
+        norm_topk_prob=False,
     ),
     "deepseek_v3": dict(
-        rms_norm_eps=1e-6, max_position_embeddings=4096, routed_scaling_factor=2.5,
-        n_group=8, topk_group=4, first_k_dense_replace=3, n_shared_experts=1,
-        n_routed_experts=256, moe_intermediate_size=2048, num_experts_per_tok=8,
-        q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
-        v_head_dim=128, norm_topk_prob=True, rope_interleave=True,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=4096,
+        routed_scaling_factor=2.5,
+        n_group=8,
+        topk_group=4,
+        first_k_dense_replace=3,
+        n_shared_experts=1,
+        n_routed_experts=256,
+        moe_intermediate_size=2048,
+        num_experts_per_tok=8,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        norm_topk_prob=True,
+        rope_interleave=True,
     ),
     "glm4_moe_lite": dict(
-        rms_norm_eps=1e-5, max_position_embeddings=202752, routed_scaling_factor=1.8,
-        n_group=1, topk_group=1, n_shared_experts=1, n_routed_experts=64,
-        moe_intermediate_size=1536, num_experts_per_tok=4, q_lora_rank=768, kv_lora_rank=512,
-        qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256, norm_topk_prob=True,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=202752,
+        routed_scaling_factor=1.8,
+        n_group=1,
+        topk_group=1,
+        n_shared_experts=1,
+        n_routed_experts=64,
+        moe_intermediate_size=1536,
+        num_experts_per_tok=4,
+        q_lora_rank=768,
+        kv_lora_rank=512,
+        qk_nope_head_dim=192,
+        qk_rope_head_dim=64,
+        v_head_dim=256,
+        norm_topk_prob=True,
         rope_interleave=True,
     ),
 }
@@ -240,9 +272,14 @@ def _from_hf_dict(hf: dict[str, Any]) -> MLAConfig:
     refuse("hidden_act", lambda v: v == "silu", "only SiLU MLPs are implemented")
     refuse("attention_bias", lambda v: v is False, "MLA projections with bias are not implemented")
     refuse("mlp_bias", lambda v: v is False, "MLPs with bias are not implemented")
-    refuse("moe_layer_freq", lambda v: v == 1,
-           "the reference places a MoE block on every layer from first_k_dense_replace on")
-    refuse("pretraining_tp", lambda v: v == 1, "tensor-parallel pretraining splits are not modelled")
+    refuse(
+        "moe_layer_freq",
+        lambda v: v == 1,
+        "the reference places a MoE block on every layer from first_k_dense_replace on",
+    )
+    refuse(
+        "pretraining_tp", lambda v: v == 1, "tensor-parallel pretraining splits are not modelled"
+    )
     refuse("partial_rotary_factor", lambda v: v == 1 or v == 1.0, "partial RoPE is not modelled")
 
     layers = int(need("num_hidden_layers"))
@@ -299,8 +336,11 @@ def _from_hf_dict(hf: dict[str, Any]) -> MLAConfig:
                 f"topk_method={method!r} is not supported for deepseek_v2 "
                 "(greedy, group_limited_greedy)"
             )
-        refuse("norm_topk_prob", lambda v: v is False,
-               "the deepseek_v2 reference never normalises top-k weights")
+        refuse(
+            "norm_topk_prob",
+            lambda v: v is False,
+            "the deepseek_v2 reference never normalises top-k weights",
+        )
         norm_topk = False
         n_group = int(hf.get("n_group") or 1)
         topk_group = int(hf.get("topk_group") or 1)

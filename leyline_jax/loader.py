@@ -202,8 +202,9 @@ def model_from_params(config: MLAConfig, params: Mapping[str, Any], dtype=jnp.fl
     if set(flat_expected) != set(flat_given):
         missing = sorted(map(jax.tree_util.keystr, set(flat_expected) - set(flat_given)))
         extra = sorted(map(jax.tree_util.keystr, set(flat_given) - set(flat_expected)))
-        raise CheckpointError(f"params do not match the model: missing {missing[:5]}, "
-                              f"unexpected {extra[:5]}")
+        raise CheckpointError(
+            f"params do not match the model: missing {missing[:5]}, unexpected {extra[:5]}"
+        )
     for path, want in flat_expected.items():
         got = flat_given[path]
         if tuple(np.shape(got)) != tuple(want.shape):

@@ -181,14 +181,18 @@ class MLAAttention(nnx.Module):
     def queries(self, x, positions):
         """[T, H], i32[T] -> q_nope [T, N, Dn], q_pe [T, N, Dr] (position embedded)."""
         c = self.config
-        q = self.q_proj(x) if c.q_lora_rank is None else self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
+        q = (
+            self.q_proj(x)
+            if c.q_lora_rank is None
+            else self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
+        )
         q = q.reshape(*x.shape[:-1], c.num_attention_heads, c.qk_head_dim)
         q_nope, q_pe = q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim :]
         q_pe = rope.apply_rope(q_pe, positions, _inv_freq(c), c.rope_scale, heads_axis=True)
         return q_nope, q_pe
 
     def latent(self, x, positions):
-        """[T, H], i32[T] -> c_kv [T, R] (normalised), k_pe [T, Dr] (embedded): what a cache holds."""
+        """[T, H], i32[T] -> c_kv [T, R] (normalised), k_pe [T, Dr] (embedded): the cached pair."""
         c = self.config
         kv = self.kv_a_proj(x)
         c_kv = self.kv_a_norm(kv[..., : c.kv_lora_rank])
@@ -225,8 +229,9 @@ class MLP(nnx.Module):
         self.down_proj = Linear(inter, hidden, dtype)
 
     def __call__(self, x):
-        return swiglu(x, self.gate_proj.kernel[...], self.up_proj.kernel[...],
-                      self.down_proj.kernel[...])
+        return swiglu(
+            x, self.gate_proj.kernel[...], self.up_proj.kernel[...], self.down_proj.kernel[...]
+        )
 
 
 class Router(nnx.Module):
@@ -306,8 +311,10 @@ class MLAModel(nnx.Module):
         )
         self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         # tied embeddings reuse `embed` as the LM head
-        self.lm_head = None if config.tie_word_embeddings else Linear(
-            config.hidden_size, config.vocab_size, dtype
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else Linear(config.hidden_size, config.vocab_size, dtype)
         )
 
     def embed_tokens(self, tokens):

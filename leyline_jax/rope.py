@@ -85,7 +85,7 @@ def apply_rope(
     *,
     heads_axis: bool = False,  # True when x has a head axis between T and Dr
 ) -> jnp.ndarray:
-    """Embed position into a rope band: x -> scale * R(position) x, math in fp32, result in x.dtype."""
+    """Embed position into a rope band: x -> scale * R(position) x; fp32 math, x.dtype result."""
     ph = phases(positions, inv_freq_)  # [..., T, Dr/2]
     if heads_axis:
         ph = ph[..., None, :]
@@ -97,7 +97,22 @@ def apply_rope(
 def rotate(x: jnp.ndarray, phase: jnp.ndarray) -> jnp.ndarray:
     """Unit-magnitude rotation of an embedded band by `phase` (f32[..., Dr/2]); fp32 math.
 
-    For moving a cached key from position p to q, pass `phase = phases(q) - phases(p)` so that the
-    result matches what embedding at q would have cached. R(a)R(b) = R(a+b); R(a)R(-a) = I.
+    R(a)R(b) = R(a+b); R(a)R(-a) = I. To move a cached key between absolute positions use `move`.
     """
     return _rotate_halves(x.astype(jnp.float32), jnp.cos(phase), jnp.sin(phase)).astype(x.dtype)
+
+
+def move(x: jnp.ndarray, phase_from: jnp.ndarray, phase_to: jnp.ndarray) -> jnp.ndarray:
+    """Rotate an embedded band from absolute phases `phase_from` to `phase_to` (f32[..., Dr/2]).
+
+    The result matches what embedding at the new position would have cached (cos/sin of the fp32
+    phase `position * inv_freq`), unit magnitude. The rotation's cos/sin come from the angle
+    difference identities on each phase's own cos/sin, not from cos(phase_to - phase_from): at
+    phases ~1e5 rad an fp32 subtraction loses up to half an ulp (~4e-3 rad), the identities lose
+    a few 1e-7 whatever the phase.
+    """
+    ct, st = jnp.cos(phase_to), jnp.sin(phase_to)
+    cf, sf = jnp.cos(phase_from), jnp.sin(phase_from)
+    cos = ct * cf + st * sf  # cos(to - from)
+    sin = st * cf - ct * sf  # sin(to - from)
+    return _rotate_halves(x.astype(jnp.float32), cos, sin).astype(x.dtype)

@@ -195,10 +195,12 @@ def test_router_matches_hf(name, hf_ckpt, hf_model):
     ref_i, ref_w = t2n(ref_i).astype(int), t2n(ref_w)
     got_i, got_w = np.asarray(got_i), np.asarray(got_w)
     ro, go = np.argsort(ref_i, -1), np.argsort(got_i, -1)
-    np.testing.assert_array_equal(np.take_along_axis(got_i, go, -1),
-                                  np.take_along_axis(ref_i, ro, -1))
-    np.testing.assert_allclose(np.take_along_axis(got_w, go, -1),
-                               np.take_along_axis(ref_w, ro, -1), rtol=1e-5, atol=1e-7)
+    np.testing.assert_array_equal(
+        np.take_along_axis(got_i, go, -1), np.take_along_axis(ref_i, ro, -1)
+    )
+    np.testing.assert_allclose(
+        np.take_along_axis(got_w, go, -1), np.take_along_axis(ref_w, ro, -1), rtol=1e-5, atol=1e-7
+    )
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -228,7 +230,7 @@ def test_scales_match_hf(name, hf_ckpt, hf_model):
     """Softmax scale (with YaRN's mscale_all_dim) and the cos/sin attention factor."""
     path = hf_ckpt(name)
     hf, ours = hf_model(path), ll.load_model(path)
-    assert ours.config.softmax_scale == pytest.approx(hf.model.layers[0].self_attn.scaling,
-                                                      rel=1e-12)
-    assert ours.config.rope_scale == pytest.approx(hf.model.rotary_emb.attention_scaling,
-                                                   rel=1e-12)
+    assert ours.config.softmax_scale == pytest.approx(
+        hf.model.layers[0].self_attn.scaling, rel=1e-12
+    )
+    assert ours.config.rope_scale == pytest.approx(hf.model.rotary_emb.attention_scaling, rel=1e-12)

@@ -1,0 +1,1 @@
+"""The imperative shell: the serving demo now; sessions, scheduling and the radix cache later."""
