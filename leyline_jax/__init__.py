@@ -1,6 +1,7 @@
 """Leyline-JAX: serving-side KV-cache editing for Multi-head Latent Attention models.
 
-The functional core: configuration, RoPE, the Flax MLA model and its Hugging Face loader.
+The functional core: configuration, RoPE, the Flax MLA model and its Hugging Face loader, the
+paged KV state and paged prefill/decode.
 
 Dimension letters used in shape comments across the package:
     B batch (sequences)    T query tokens       S key slots          P pages
@@ -10,8 +11,16 @@ Dimension letters used in shape comments across the package:
 """
 
 from leyline_jax.config import ConfigError, MLAConfig
+from leyline_jax.kv_state import (
+    OutOfPagesError,
+    PagedKVState,
+    SequenceError,
+    init_state,
+    tokens,
+)
 from leyline_jax.loader import CheckpointError, CheckpointNotFoundError, load_model
 from leyline_jax.model import MLAModel
+from leyline_jax.paged import decode, fork, free, prefill
 
 __all__ = [
     "CheckpointError",
@@ -19,5 +28,14 @@ __all__ = [
     "ConfigError",
     "MLAConfig",
     "MLAModel",
+    "OutOfPagesError",
+    "PagedKVState",
+    "SequenceError",
+    "decode",
+    "fork",
+    "free",
+    "init_state",
     "load_model",
+    "prefill",
+    "tokens",
 ]

@@ -268,12 +268,13 @@ class MoE(nnx.Module):
         shared = config.moe_intermediate_size * config.n_shared_experts
         self.shared = MLP(config.hidden_size, shared, dtype) if shared else None
 
-    def __call__(self, x):
-        weights, idx = self.router(x)
-        out = self.experts(x, weights, idx)
+    def __call__(self, x):  # [..., H] -> [..., H]
+        flat = x.reshape(-1, x.shape[-1])
+        weights, idx = self.router(flat)
+        out = self.experts(flat, weights, idx)
         if self.shared is not None:
-            out = out + self.shared(x)
-        return out
+            out = out + self.shared(flat)
+        return out.reshape(x.shape)
 
 
 class DecoderLayer(nnx.Module):

@@ -1,0 +1,227 @@
+"""Paged prefill and decode over `PagedKVState`, and the checked public state operations.
+
+Each public function validates on the host first (one small metadata transfer), so a bad call
+raises before anything changes; then it pads to a bucketed shape and calls a private jitted step
+that donates the state. Donation means the state passed in is consumed: keep using the returned
+one.
+
+Prefill uses the expanded attention form (K_nope and V per head from the gathered latent):
+with T query tokens against S cached slots it costs S·R·N·(Dn+Dv) to expand plus T·S·N·(Dn+Dr+Dv)
+to attend, against T·S·N·(2R+Dr) for the absorbed form; with T close to S and R = 512 vs
+Dn = 128 the expanded form is cheaper. Decode (T = 1 per sequence) uses the absorbed form: the
+queries are multiplied into the latent space and attention reads `c_kv` and `k_pe` directly,
+never materialising per-head K/V for the cache.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from leyline_jax import kv_state as kv
+from leyline_jax.kv_state import OutOfPagesError, PagedKVState, SequenceError
+from leyline_jax.model import MLAModel, check_tokens, mla_attention
+
+MIN_TOKEN_BUCKET = 16
+
+
+def bucket(n: int, minimum: int = 1, maximum: int | None = None) -> int:
+    """Smallest power of two >= max(n, minimum), capped at `maximum`."""
+    b = 1 << (max(n, minimum) - 1).bit_length()
+    return b if maximum is None else min(b, maximum)
+
+
+# ---- the model over a paged cache (traced inside the jitted steps) ---------------------------
+def _forward_paged(model: MLAModel, state: PagedKVState, tokens, positions, slots, pages, mask,
+                   *, absorbed: bool):
+    """Run the decoder over new tokens whose KV goes to `slots`, attending through `pages`.
+
+    Batched over rows: tokens/positions/slots [B, T], pages [B, W], mask bool[B, T, W*page_size].
+    Returns the final hidden states [B, T, H] (after the final norm) and the new state.
+    """
+    valid = mask.any(axis=1)  # [B, S] slots some query of the row may read
+    h = model.embed_tokens(tokens)
+    for i, layer in enumerate(model.layers):
+        attn = layer.attn
+        x = layer.input_norm(h)
+        q_nope, q_pe = attn.queries(x, positions)
+        c_new, k_new = attn.latent(x, positions)
+        state = kv.write_kv(state, i, slots, c_new, k_new)
+        c_all, k_all = kv.gather_kv(state, i, pages, valid)
+        w_kb, w_vb = attn.kv_up()
+        dtype = h.dtype
+
+        def one(qn, qp, c, k, m):
+            return mla_attention(qn, qp, c.astype(dtype), k.astype(dtype), w_kb, w_vb, m,
+                                 model.config.softmax_scale, absorbed=absorbed)
+
+        o = jax.vmap(one)(q_nope, q_pe, c_all, k_all, mask)
+        h = layer.feed_forward(h + attn.output(o))
+    return model.final_norm(h), state
+
+
+def _attention_mask(state, lengths_after, positions, width):
+    """bool[B, T, W*ps]: slot s readable by the query at `positions[b, t]`."""
+    slot = jnp.arange(width * state.page_size)
+    return (slot[None, None, :] <= positions[:, :, None]) & (
+        slot[None, None, :] < lengths_after[:, None, None]
+    )
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames="width", donate_argnames="state")
+def _prefill_step(graphdef, params, state, seq, tokens, count, *, width):
+    model = nnx.merge(graphdef, params)
+    state, slots = kv.append_tokens(state, seq[None], tokens[None], count[None])
+    after = state.lengths[seq][None]
+    positions = (after - count)[:, None] + jnp.arange(tokens.shape[0])[None]
+    pages = state.page_table[seq, :width][None]
+    mask = _attention_mask(state, after, positions, width)
+    h, state = _forward_paged(model, state, tokens[None], positions, slots, pages, mask,
+                              absorbed=False)
+    last = jax.lax.dynamic_index_in_dim(h[0], count - 1, keepdims=False)
+    return state, model.logits(last)
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames="width", donate_argnames="state")
+def _decode_step(graphdef, params, state, seqs, tokens, counts, *, width):
+    model = nnx.merge(graphdef, params)
+    state, slots = kv.append_tokens(state, seqs, tokens[:, None], counts)
+    after = state.lengths[seqs]
+    positions = (after - counts)[:, None]
+    pages = state.page_table[seqs, :width]
+    mask = _attention_mask(state, after, positions, width)
+    h, state = _forward_paged(model, state, tokens[:, None], positions, slots, pages, mask,
+                              absorbed=True)
+    return state, model.logits(h[:, 0])
+
+
+_open = jax.jit(kv.open_seq, donate_argnums=0)
+_free = jax.jit(kv.free_seq, donate_argnums=0)
+_fork = jax.jit(kv.fork_seq, donate_argnums=0)
+
+
+# ---- host checks ----------------------------------------------------------------------------
+def _free_pages(meta) -> int:
+    return int((meta["refcount"] == 0).sum())
+
+
+def _last_page_shared(meta, state: PagedKVState, seq: int) -> bool:
+    n = int(meta["lengths"][seq])
+    if n == 0:
+        return False
+    page = int(meta["page_table"][seq, (n - 1) // state.page_size])
+    return bool(meta["refcount"][page] > 1)
+
+
+def _check_room(state: PagedKVState, seq: int, length: int, count: int) -> None:
+    if length + count > state.max_seq_len:
+        raise SequenceError(
+            f"sequence {seq} would hold {length + count} tokens, more than max_seq_len="
+            f"{state.max_seq_len}"
+        )
+
+
+# ---- public API -----------------------------------------------------------------------------
+def prefill(model: MLAModel, state: PagedKVState, seq: int, tokens) -> tuple[PagedKVState,
+                                                                             jax.Array]:
+    """Append `tokens` to sequence `seq` (opening it if it is not open) and run them through the
+    model. Returns the new state and float32 logits [vocab] after the last appended token.
+
+    Works for a new sequence (prefill) and a cached one (chunked prefill / extend). Raises
+    `ValueError` for bad tokens, `SequenceError` for a bad sequence id or an overlong sequence,
+    `OutOfPagesError` when the pool is short — all before the state changes. Donates `state`.
+    """
+    toks = np.asarray(check_tokens(tokens, model.config.vocab_size))
+    meta = kv.host_meta(state)
+    seq = kv._check_seq(meta, state, seq, must_be_open=False)
+    is_new = not meta["active"][seq]
+    length = 0 if is_new else int(meta["lengths"][seq])
+    n = len(toks)
+    _check_room(state, seq, length, n)
+    need, _ = kv.pages_needed(length, n, _last_page_shared(meta, state, seq), state.page_size)
+    if need > _free_pages(meta):
+        raise OutOfPagesError(
+            f"prefill of {n} tokens on sequence {seq} needs {need} pages; "
+            f"{_free_pages(meta)} of {state.num_pages} are free"
+        )
+    t = bucket(n, MIN_TOKEN_BUCKET)
+    width = bucket(-(-(length + n) // state.page_size), maximum=state.max_pages_per_seq)
+    padded = np.zeros(t, np.int32)
+    padded[:n] = toks
+    if is_new:
+        state = _open(state, seq)
+    graphdef, params = nnx.split(model)
+    return _prefill_step(graphdef, params, state, jnp.int32(seq), jnp.asarray(padded),
+                         jnp.int32(n), width=width)
+
+
+def decode(model: MLAModel, state: PagedKVState, seqs: Sequence[int], tokens: Sequence[int]
+           ) -> tuple[PagedKVState, jax.Array]:
+    """Append one token to each of several open sequences in one batched step.
+
+    Returns the new state and float32 logits [len(seqs), vocab]. Sequences must be distinct and
+    open. Raises like `prefill`, before the state changes. Donates `state`.
+    """
+    seqs = list(seqs)
+    toks = np.asarray(check_tokens(tokens, model.config.vocab_size))
+    if len(seqs) != len(toks):
+        raise ValueError(f"{len(seqs)} sequences but {len(toks)} tokens")
+    if len(set(seqs)) != len(seqs):
+        raise SequenceError(f"a sequence appears twice in one decode step: {seqs}")
+    meta = kv.host_meta(state)
+    need = 0
+    for s in seqs:
+        kv._check_seq(meta, state, s, must_be_open=True)
+        length = int(meta["lengths"][s])
+        _check_room(state, s, length, 1)
+        need += int(kv.pages_needed(length, 1, _last_page_shared(meta, state, s),
+                                    state.page_size)[0])
+    if need > _free_pages(meta):
+        raise OutOfPagesError(
+            f"decode of {len(seqs)} sequences needs {need} pages; {_free_pages(meta)} of "
+            f"{state.num_pages} are free"
+        )
+    b = bucket(len(seqs))
+    longest = max(int(meta["lengths"][s]) for s in seqs) + 1
+    width = bucket(-(-longest // state.page_size), maximum=state.max_pages_per_seq)
+    # padding rows repeat the first sequence with count 0: they append and write nothing
+    pad_seqs = np.full(b, seqs[0], np.int32)
+    pad_seqs[: len(seqs)] = seqs
+    pad_toks = np.zeros(b, np.int32)
+    pad_toks[: len(seqs)] = toks
+    counts = (np.arange(b) < len(seqs)).astype(np.int32)
+    graphdef, params = nnx.split(model)
+    state, logits = _decode_step(graphdef, params, state, jnp.asarray(pad_seqs),
+                                 jnp.asarray(pad_toks), jnp.asarray(counts), width=width)
+    return state, logits[: len(seqs)]
+
+
+def fork(state: PagedKVState, src: int, dst: int) -> PagedKVState:
+    """Open `dst` as a copy of open sequence `src`, sharing its pages. Donates `state`."""
+    meta = kv.host_meta(state)
+    kv._check_seq(meta, state, src, must_be_open=True)
+    kv._check_seq(meta, state, dst, must_be_open=False)
+    if meta["active"][dst]:
+        raise SequenceError(f"sequence {dst} is already open")
+    return _fork(state, src, dst)
+
+
+def free(state: PagedKVState, seq: int) -> PagedKVState:
+    """Close open sequence `seq`, releasing its page references. Donates `state`."""
+    meta = kv.host_meta(state)
+    kv._check_seq(meta, state, seq, must_be_open=True)
+    return _free(state, seq)
+
+
+def compile_counts() -> dict[str, int]:
+    """How many shapes each jitted step has compiled (for tests and benchmarks)."""
+    return {"prefill": _prefill_step._cache_size(), "decode": _decode_step._cache_size()}
+
+
+__all__ = ["OutOfPagesError", "SequenceError", "bucket", "compile_counts", "decode", "fork",
+           "free", "prefill"]
