@@ -249,8 +249,7 @@ def gather_kv(
 # ---- host-side views ------------------------------------------------------------------------
 def host_meta(state: PagedKVState) -> dict[str, np.ndarray]:
     """Page tables, lengths, open flags and refcounts on the host (one small transfer)."""
-    pt, ln, ac, rc = jax.device_get((state.page_table, state.lengths, state.active,
-                                     state.refcount))
+    pt, ln, ac, rc = jax.device_get((state.page_table, state.lengths, state.active, state.refcount))
     return {"page_table": pt, "lengths": ln, "active": ac, "refcount": rc}
 
 

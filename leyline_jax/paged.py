@@ -37,8 +37,9 @@ def bucket(n: int, minimum: int = 1, maximum: int | None = None) -> int:
 
 
 # ---- the model over a paged cache (traced inside the jitted steps) ---------------------------
-def _forward_paged(model: MLAModel, state: PagedKVState, tokens, positions, slots, pages, mask,
-                   *, absorbed: bool):
+def _forward_paged(
+    model: MLAModel, state: PagedKVState, tokens, positions, slots, pages, mask, *, absorbed: bool
+):
     """Run the decoder over new tokens whose KV goes to `slots`, attending through `pages`.
 
     Batched over rows: tokens/positions/slots [B, T], pages [B, W], mask bool[B, T, W*page_size].
@@ -57,8 +58,17 @@ def _forward_paged(model: MLAModel, state: PagedKVState, tokens, positions, slot
         dtype = h.dtype
 
         def one(qn, qp, c, k, m):
-            return mla_attention(qn, qp, c.astype(dtype), k.astype(dtype), w_kb, w_vb, m,
-                                 model.config.softmax_scale, absorbed=absorbed)
+            return mla_attention(
+                qn,
+                qp,
+                c.astype(dtype),
+                k.astype(dtype),
+                w_kb,
+                w_vb,
+                m,
+                model.config.softmax_scale,
+                absorbed=absorbed,
+            )
 
         o = jax.vmap(one)(q_nope, q_pe, c_all, k_all, mask)
         h = layer.feed_forward(h + attn.output(o))
@@ -81,8 +91,9 @@ def _prefill_step(graphdef, params, state, seq, tokens, count, *, width):
     positions = (after - count)[:, None] + jnp.arange(tokens.shape[0])[None]
     pages = state.page_table[seq, :width][None]
     mask = _attention_mask(state, after, positions, width)
-    h, state = _forward_paged(model, state, tokens[None], positions, slots, pages, mask,
-                              absorbed=False)
+    h, state = _forward_paged(
+        model, state, tokens[None], positions, slots, pages, mask, absorbed=False
+    )
     last = jax.lax.dynamic_index_in_dim(h[0], count - 1, keepdims=False)
     return state, model.logits(last)
 
@@ -95,8 +106,9 @@ def _decode_step(graphdef, params, state, seqs, tokens, counts, *, width):
     positions = (after - counts)[:, None]
     pages = state.page_table[seqs, :width]
     mask = _attention_mask(state, after, positions, width)
-    h, state = _forward_paged(model, state, tokens[:, None], positions, slots, pages, mask,
-                              absorbed=True)
+    h, state = _forward_paged(
+        model, state, tokens[:, None], positions, slots, pages, mask, absorbed=True
+    )
     return state, model.logits(h[:, 0])
 
 
@@ -127,8 +139,9 @@ def _check_room(state: PagedKVState, seq: int, length: int, count: int) -> None:
 
 
 # ---- public API -----------------------------------------------------------------------------
-def prefill(model: MLAModel, state: PagedKVState, seq: int, tokens) -> tuple[PagedKVState,
-                                                                             jax.Array]:
+def prefill(
+    model: MLAModel, state: PagedKVState, seq: int, tokens
+) -> tuple[PagedKVState, jax.Array]:
     """Append `tokens` to sequence `seq` (opening it if it is not open) and run them through the
     model. Returns the new state and float32 logits [vocab] after the last appended token.
 
@@ -156,12 +169,14 @@ def prefill(model: MLAModel, state: PagedKVState, seq: int, tokens) -> tuple[Pag
     if is_new:
         state = _open(state, seq)
     graphdef, params = nnx.split(model)
-    return _prefill_step(graphdef, params, state, jnp.int32(seq), jnp.asarray(padded),
-                         jnp.int32(n), width=width)
+    return _prefill_step(
+        graphdef, params, state, jnp.int32(seq), jnp.asarray(padded), jnp.int32(n), width=width
+    )
 
 
-def decode(model: MLAModel, state: PagedKVState, seqs: Sequence[int], tokens: Sequence[int]
-           ) -> tuple[PagedKVState, jax.Array]:
+def decode(
+    model: MLAModel, state: PagedKVState, seqs: Sequence[int], tokens: Sequence[int]
+) -> tuple[PagedKVState, jax.Array]:
     """Append one token to each of several open sequences in one batched step.
 
     Returns the new state and float32 logits [len(seqs), vocab]. Sequences must be distinct and
@@ -179,8 +194,9 @@ def decode(model: MLAModel, state: PagedKVState, seqs: Sequence[int], tokens: Se
         kv._check_seq(meta, state, s, must_be_open=True)
         length = int(meta["lengths"][s])
         _check_room(state, s, length, 1)
-        need += int(kv.pages_needed(length, 1, _last_page_shared(meta, state, s),
-                                    state.page_size)[0])
+        need += int(
+            kv.pages_needed(length, 1, _last_page_shared(meta, state, s), state.page_size)[0]
+        )
     if need > _free_pages(meta):
         raise OutOfPagesError(
             f"decode of {len(seqs)} sequences needs {need} pages; {_free_pages(meta)} of "
@@ -196,8 +212,15 @@ def decode(model: MLAModel, state: PagedKVState, seqs: Sequence[int], tokens: Se
     pad_toks[: len(seqs)] = toks
     counts = (np.arange(b) < len(seqs)).astype(np.int32)
     graphdef, params = nnx.split(model)
-    state, logits = _decode_step(graphdef, params, state, jnp.asarray(pad_seqs),
-                                 jnp.asarray(pad_toks), jnp.asarray(counts), width=width)
+    state, logits = _decode_step(
+        graphdef,
+        params,
+        state,
+        jnp.asarray(pad_seqs),
+        jnp.asarray(pad_toks),
+        jnp.asarray(counts),
+        width=width,
+    )
     return state, logits[: len(seqs)]
 
 
@@ -223,5 +246,13 @@ def compile_counts() -> dict[str, int]:
     return {"prefill": _prefill_step._cache_size(), "decode": _decode_step._cache_size()}
 
 
-__all__ = ["OutOfPagesError", "SequenceError", "bucket", "compile_counts", "decode", "fork",
-           "free", "prefill"]
+__all__ = [
+    "OutOfPagesError",
+    "SequenceError",
+    "bucket",
+    "compile_counts",
+    "decode",
+    "fork",
+    "free",
+    "prefill",
+]

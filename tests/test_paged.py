@@ -1,0 +1,238 @@
+"""Paged prefill/decode against the full-sequence forward and Hugging Face's own cached decode.
+
+fp32 storage and params; tolerance as the parity tests (1e-4 of max|logit|, identical argmax).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from conftest import FAMILIES, random_tokens
+from test_parity import assert_logits_match, rel_err
+
+import leyline_jax as ll
+from leyline_jax import paged
+
+PROMPTS = (200, 150, 77)  # three interleaved sequences; none is a multiple of 16 or 7
+STEPS = 24
+
+
+def hf_incremental(hf, prompt, continuation) -> np.ndarray:
+    """Logits after the prompt, then after each continuation token fed one at a time with
+    transformers' own cache. [1 + len(continuation), vocab]."""
+    out = []
+    with torch.no_grad():
+        res = hf(torch.tensor(prompt, dtype=torch.long)[None], use_cache=True)
+        out.append(res.logits[0, -1].numpy())
+        cache = res.cache
+        for tok in continuation:
+            res = hf(torch.tensor([[tok]], dtype=torch.long), cache=cache, use_cache=True)
+            cache = res.cache
+            out.append(res.logits[0, -1].numpy())
+    return np.stack(out)
+
+
+def run_paged(model, page_size, prompts, conts, num_pages=None):
+    """Prefill each prompt into its own sequence, then decode all of them together."""
+    total = sum(len(p) + len(c) for p, c in zip(prompts, conts, strict=True))
+    num_pages = num_pages or (total // page_size + 2 * len(prompts) + 1)
+    state = ll.init_state(
+        model.config,
+        num_pages=num_pages,
+        page_size=page_size,
+        max_seqs=len(prompts) + 1,
+        kv_dtype=jnp.float32,
+    )
+    got = [[] for _ in prompts]
+    for s, p in enumerate(prompts):
+        state, logits = ll.prefill(model, state, s, p)
+        got[s].append(np.asarray(logits))
+    for i in range(len(conts[0])):
+        state, logits = ll.decode(model, state, list(range(len(prompts))), [c[i] for c in conts])
+        for s in range(len(prompts)):
+            got[s].append(np.asarray(logits[s]))
+    return state, [np.stack(g) for g in got]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("page_size", [1, 16, 7])
+def test_paged_matches_full_forward_and_hf_cache(name, page_size, hf_ckpt, hf_model):
+    path = hf_ckpt(name)
+    model, hf = ll.load_model(path), hf_model(path)
+    prompts = [random_tokens(n, seed=10 + i) for i, n in enumerate(PROMPTS)]
+    conts = [random_tokens(STEPS, seed=20 + i) for i in range(len(PROMPTS))]
+    state, got = run_paged(model, page_size, prompts, conts)
+    for s, (p, c) in enumerate(zip(prompts, conts, strict=True)):
+        full = np.asarray(model(np.concatenate([p, c])))[len(p) - 1 :]
+        assert_logits_match(got[s], full)
+        assert_logits_match(got[s], hf_incremental(hf, p, c))
+        assert ll.tokens(state, s) == [*p.tolist(), *c.tolist()]
+
+
+def test_chunked_prefill_equals_one_shot(np_ckpt):
+    model = ll.load_model(np_ckpt("deepseek_v2"))
+    prompt = random_tokens(301, seed=1)
+    state = ll.init_state(
+        model.config, num_pages=64, page_size=16, max_seqs=2, kv_dtype=jnp.float32
+    )
+    state, one = ll.prefill(model, state, 0, prompt)
+    for a, b in [(0, 5), (5, 170), (170, 301)]:  # three uneven chunks
+        state, chunked = ll.prefill(model, state, 1, prompt[a:b])
+    assert rel_err(chunked, one) <= 1e-5  # same math; only the query block sizes differ
+    assert int(np.asarray(chunked).argmax()) == int(np.asarray(one).argmax())
+    # the cached latent itself agrees: the same slots of both sequences hold the same KV
+    pt = np.asarray(state.page_table)
+    for layer in range(model.config.num_hidden_layers):
+        a = np.asarray(state.c_kv[layer])[pt[0, :19]].reshape(-1, 32)[:301]
+        b = np.asarray(state.c_kv[layer])[pt[1, :19]].reshape(-1, 32)[:301]
+        assert rel_err(a, b) <= 1e-5
+
+
+def test_fork_shares_pages_and_diverges_safely(np_ckpt):
+    model = ll.load_model(np_ckpt("glm4_moe_lite"))
+    prompt = random_tokens(40, seed=2)  # 40 = 2 full pages of 16 + a partial third
+    state = ll.init_state(
+        model.config, num_pages=16, page_size=16, max_seqs=3, kv_dtype=jnp.float32
+    )
+    state, base = ll.prefill(model, state, 0, prompt)
+    state = ll.fork(state, 0, 1)
+    pt, rc = np.asarray(state.page_table), np.asarray(state.refcount)
+    np.testing.assert_array_equal(pt[0, :3], pt[1, :3])
+    assert (rc[pt[0, :3]] == 2).all() and rc.sum() == 6
+    shared = np.asarray(state.c_kv)[:, pt[0, :3]].copy()
+
+    # reference: what sequence 0 sees after these tokens, computed on an unshared pool
+    ref_state = ll.init_state(
+        model.config, num_pages=16, page_size=16, max_seqs=1, kv_dtype=jnp.float32
+    )
+    ref_state, _ = ll.prefill(model, ref_state, 0, prompt)
+    ref_state, ref_a = ll.prefill(model, ref_state, 0, [7, 8, 9])
+
+    state, b1 = ll.prefill(model, state, 1, [100, 101])  # the fork writes first: copy on write
+    pt, rc = np.asarray(state.page_table), np.asarray(state.refcount)
+    assert pt[1, 2] != pt[0, 2] and (rc[pt[0, :2]] == 2).all() and rc[pt[0, 2]] == 1
+    state, a = ll.prefill(model, state, 0, [7, 8, 9])
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(ref_a))
+    # the pages that were shared at fork time were never written
+    np.testing.assert_array_equal(np.asarray(state.c_kv)[:, pt[0, :2]], shared[:, :2])
+    state, d = ll.decode(model, state, [0, 1], [5, 6])
+    full0 = np.asarray(model(np.concatenate([prompt, [7, 8, 9, 5]])))[-1]
+    full1 = np.asarray(model(np.concatenate([prompt, [100, 101, 6]])))[-1]
+    assert_logits_match(np.asarray(d), np.stack([full0, full1]))
+    state = ll.free(state, 0)
+    rc = np.asarray(state.refcount)
+    assert (rc[pt[1, :2]] == 1).all() and rc.sum() == 3  # seq 1: 2 shared-then-own + its copy
+
+
+def test_unused_pages_are_never_read(np_ckpt):
+    """Pages no sequence holds are poisoned with NaN: logits stay finite and unchanged."""
+    model = ll.load_model(np_ckpt("deepseek_v3"))
+    prompt = random_tokens(50, seed=3)
+
+    def run(poison: bool):
+        state = ll.init_state(
+            model.config, num_pages=12, page_size=8, max_seqs=2, kv_dtype=jnp.float32
+        )
+        if poison:
+            state = state.__class__(
+                **{**state.__dict__, "c_kv": state.c_kv + jnp.nan, "k_pe": state.k_pe + jnp.nan}
+            )
+        state, a = ll.prefill(model, state, 0, prompt)
+        state, b = ll.decode(model, state, [0], [3])
+        return np.asarray(a), np.asarray(b)
+
+    clean, poisoned = run(False), run(True)
+    for c, p in zip(clean, poisoned, strict=True):
+        assert np.isfinite(p).all()
+        np.testing.assert_array_equal(c, p)
+
+
+# ---- bad input: clear errors, state untouched -----------------------------------------------
+def _snapshot(state):
+    return jax.tree.map(lambda x: np.asarray(x).copy(), state)
+
+
+def _assert_same(state, snap):
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(snap), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), b)
+
+
+def test_errors_leave_state_untouched(np_ckpt):
+    model = ll.load_model(np_ckpt("deepseek_v2"))
+    state = ll.init_state(
+        model.config, num_pages=4, page_size=8, max_seqs=2, kv_dtype=jnp.float32, max_seq_len=40
+    )
+    state, _ = ll.prefill(model, state, 0, random_tokens(20))
+    snap = _snapshot(state)
+    cases = [
+        (ll.OutOfPagesError, lambda: ll.prefill(model, state, 1, random_tokens(20))),
+        (ll.SequenceError, lambda: ll.prefill(model, state, 0, random_tokens(21))),  # > 40
+        (ll.SequenceError, lambda: ll.prefill(model, state, 2, [1])),
+        (ll.SequenceError, lambda: ll.decode(model, state, [1], [1])),
+        (ll.SequenceError, lambda: ll.decode(model, state, [0, 0], [1, 2])),
+        (ValueError, lambda: ll.decode(model, state, [0], [256])),
+        (ValueError, lambda: ll.decode(model, state, [0], [1, 2])),
+        (ValueError, lambda: ll.prefill(model, state, 0, [-3])),
+        (ll.SequenceError, lambda: ll.free(state, 1)),
+        (ll.SequenceError, lambda: ll.fork(state, 0, 0)),
+        (ll.SequenceError, lambda: ll.fork(state, 1, 0)),
+        (ll.SequenceError, lambda: ll.tokens(state, 1)),
+    ]
+    for err, call in cases:
+        with pytest.raises(err):
+            call()
+        _assert_same(state, snap)
+    state, _ = ll.prefill(model, state, 0, [1, 2])  # and the state is still usable
+
+
+def test_out_of_pages_message(np_ckpt):
+    model = ll.load_model(np_ckpt("deepseek_v2"))
+    state = ll.init_state(model.config, num_pages=2, page_size=4, max_seqs=2, max_seq_len=64)
+    with pytest.raises(ll.OutOfPagesError, match="needs 3 pages; 2 of 2 are free"):
+        ll.prefill(model, state, 0, random_tokens(9))
+
+
+# ---- compilation --------------------------------------------------------------------------
+def test_compiles_once_per_bucket(np_ckpt):
+    """50 mixed prefill/decode calls of varying sizes compile no more than the buckets used."""
+    model = ll.load_model(np_ckpt("glm4_moe_lite"))
+    state = ll.init_state(
+        model.config, num_pages=256, page_size=16, max_seqs=8, kv_dtype=jnp.float32
+    )
+    rng = np.random.default_rng(0)
+    before = paged.compile_counts()
+    prefill_keys, decode_keys = set(), set()
+    open_seqs: dict[int, int] = {}
+    for _ in range(50):
+        if rng.random() < 0.4 or len(open_seqs) < 2:
+            s = int(rng.integers(0, 8))
+            n = int(rng.integers(1, 40))
+            length = open_seqs.get(s, 0)
+            if length + n > 500:
+                continue
+            prefill_keys.add(
+                (paged.bucket(n, paged.MIN_TOKEN_BUCKET), paged.bucket(-(-(length + n) // 16)))
+            )
+            state, _ = ll.prefill(model, state, s, random_tokens(n, seed=int(rng.integers(99))))
+            open_seqs[s] = length + n
+        else:
+            batch = sorted(
+                rng.choice(list(open_seqs), size=min(3, len(open_seqs)), replace=False).tolist()
+            )
+            longest = max(open_seqs[s] for s in batch) + 1
+            decode_keys.add((paged.bucket(len(batch)), paged.bucket(-(-longest // 16))))
+            state, _ = ll.decode(model, state, batch, [1] * len(batch))
+            for s in batch:
+                open_seqs[s] += 1
+    after = paged.compile_counts()
+    assert after["prefill"] - before["prefill"] <= len(prefill_keys)
+    assert after["decode"] - before["decode"] <= len(decode_keys)
+    # and a repeat of an already-seen shape compiles nothing
+    s = next(iter(open_seqs))
+    n_before = paged.compile_counts()
+    state, _ = ll.decode(model, state, [s], [2])
+    state, _ = ll.decode(model, state, [s], [3])
+    assert paged.compile_counts()["decode"] - n_before["decode"] <= 1
