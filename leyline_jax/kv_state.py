@@ -18,6 +18,7 @@ so an error is raised before anything changes.
 from __future__ import annotations
 
 import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np

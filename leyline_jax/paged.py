@@ -46,6 +46,10 @@ def _forward_paged(
     Returns the final hidden states [B, T, H] (after the final norm) and the new state.
     """
     valid = mask.any(axis=1)  # [B, S] slots some query of the row may read
+    attend = jax.vmap(
+        functools.partial(mla_attention, scale=model.config.softmax_scale, absorbed=absorbed),
+        in_axes=(0, 0, 0, 0, None, None, 0),  # per row; the up-projections are shared
+    )
     h = model.embed_tokens(tokens)
     for i, layer in enumerate(model.layers):
         attn = layer.attn
@@ -55,22 +59,7 @@ def _forward_paged(
         state = kv.write_kv(state, i, slots, c_new, k_new)
         c_all, k_all = kv.gather_kv(state, i, pages, valid)
         w_kb, w_vb = attn.kv_up()
-        dtype = h.dtype
-
-        def one(qn, qp, c, k, m):
-            return mla_attention(
-                qn,
-                qp,
-                c.astype(dtype),
-                k.astype(dtype),
-                w_kb,
-                w_vb,
-                m,
-                model.config.softmax_scale,
-                absorbed=absorbed,
-            )
-
-        o = jax.vmap(one)(q_nope, q_pe, c_all, k_all, mask)
+        o = attend(q_nope, q_pe, c_all.astype(h.dtype), k_all.astype(h.dtype), w_kb, w_vb, mask)
         h = layer.feed_forward(h + attn.output(o))
     return model.final_norm(h), state
 
