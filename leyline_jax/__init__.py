@@ -1,7 +1,7 @@
 """Leyline-JAX: serving-side KV-cache editing for Multi-head Latent Attention models.
 
 The functional core: configuration, RoPE, the Flax MLA model and its Hugging Face loader, the
-paged KV state and paged prefill/decode.
+paged KV state, paged prefill/decode, and directives (AMORTIZE / FORGET).
 
 Dimension letters used in shape comments across the package:
     B batch (sequences)    T query tokens       S key slots          P pages
@@ -11,6 +11,13 @@ Dimension letters used in shape comments across the package:
 """
 
 from leyline_jax.config import ConfigError, MLAConfig
+from leyline_jax.directives import (
+    Directive,
+    DirectiveError,
+    Mode,
+    apply_directive,
+    apply_directives,
+)
 from leyline_jax.kv_state import (
     OutOfPagesError,
     PagedKVState,
@@ -26,9 +33,14 @@ __all__ = [
     "CheckpointError",
     "CheckpointNotFoundError",
     "ConfigError",
+    "Directive",
+    "DirectiveError",
+    "Mode",
     "MLAConfig",
     "MLAModel",
     "OutOfPagesError",
+    "apply_directive",
+    "apply_directives",
     "PagedKVState",
     "SequenceError",
     "decode",

@@ -72,19 +72,36 @@ def _attention_mask(state, lengths_after, positions, width):
     )
 
 
-@functools.partial(jax.jit, static_argnums=0, static_argnames="width", donate_argnames="state")
-def _prefill_step(graphdef, params, state, seq, tokens, count, *, width):
-    model = nnx.merge(graphdef, params)
-    state, slots = kv.append_tokens(state, seq[None], tokens[None], count[None])
-    after = state.lengths[seq][None]
-    positions = (after - count)[:, None] + jnp.arange(tokens.shape[0])[None]
-    pages = state.page_table[seq, :width][None]
-    mask = _attention_mask(state, after, positions, width)
+def _fill(model, state, seq, tokens, start, count, width):
+    """Run `count` real tokens (of `tokens`, i32[T]) at positions start.. of `seq`, whose slots the
+    page table already holds; each attends to every slot before it. Returns the state and the
+    float32 logits after the last real token."""
+    ps = state.page_size
+    positions = (start + jnp.arange(tokens.shape[0]))[None]  # [1, T]
+    real = jnp.arange(tokens.shape[0])[None] < count
+    pages = state.page_table[seq, :width][None]  # [1, W]
+    col = jnp.minimum(positions // ps, width - 1)
+    slots = jnp.where(
+        real, jnp.take_along_axis(pages, col, 1) * ps + positions % ps, state.num_pages * ps
+    )
+    mask = _attention_mask(state, (start + count)[None], positions, width)
     h, state = _forward_paged(
         model, state, tokens[None], positions, slots, pages, mask, absorbed=False
     )
     last = jax.lax.dynamic_index_in_dim(h[0], count - 1, keepdims=False)
     return state, model.logits(last)
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames="width", donate_argnames="state")
+def _prefill_step(graphdef, params, state, seq, tokens, count, *, width):
+    state, _ = kv.append_tokens(state, seq[None], tokens[None], count[None])
+    start = state.lengths[seq] - count
+    return _fill(nnx.merge(graphdef, params), state, seq, tokens, start, count, width)
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames="width", donate_argnames="state")
+def _fill_step(graphdef, params, state, seq, tokens, start, count, *, width):
+    return _fill(nnx.merge(graphdef, params), state, seq, tokens, start, count, width)
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames="width", donate_argnames="state")
@@ -232,7 +249,11 @@ def free(state: PagedKVState, seq: int) -> PagedKVState:
 
 def compile_counts() -> dict[str, int]:
     """How many shapes each jitted step has compiled (for tests and benchmarks)."""
-    return {"prefill": _prefill_step._cache_size(), "decode": _decode_step._cache_size()}
+    return {
+        "prefill": _prefill_step._cache_size(),
+        "decode": _decode_step._cache_size(),
+        "fill": _fill_step._cache_size(),
+    }
 
 
 __all__ = [

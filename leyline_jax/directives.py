@@ -1,0 +1,413 @@
+"""Directives: edit a cached sequence in place (AMORTIZE) or re-prefill after the edit (FORGET).
+
+A directive `(start, end, replacement, mode)` is in token coordinates of the sequence as it is
+now; a batch of directives is atomic, non-overlapping, all in pre-batch coordinates. Semantics are
+DESIGN.md §2. Planning runs on the host (validate, pick fresh pages, compute every moved slot's
+source, destination and old/new position); applying runs on device under jit (one fused
+move+rotate pass through `pallas_kernels.splice_rotate`, then the replacements' prefill).
+
+The splice machinery sees "a band that moves" (`c_kv`) and "a band that moves and rotates"
+(`k_pe`, halves layout), not MLA names, so another attention family can reuse it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from leyline_jax import kv_state as kv
+from leyline_jax import paged
+from leyline_jax.kv_state import OutOfPagesError, PagedKVState, SequenceError
+from leyline_jax.model import MLAModel, _inv_freq
+from pallas_kernels.splice_rotate import splice_rotate
+
+MIN_MOVE_BUCKET = 16
+
+
+class DirectiveError(ValueError):
+    """An invalid directive or batch. Raised before any state changes."""
+
+
+class Mode(enum.Enum):
+    AMORTIZE = "amortize"  # splice in place: downstream keeps c_kv, k_pe rotated by delta
+    FORGET = "forget"  # truncate at start and re-prefill replacement + tokens[end:]
+
+
+@dataclasses.dataclass(frozen=True)
+class Directive:
+    """Replace tokens [start, end) of a sequence by `replacement`."""
+
+    start: int
+    end: int
+    replacement: tuple[int, ...] = ()
+    mode: Mode = Mode.AMORTIZE
+
+    def __post_init__(self):
+        for name in ("start", "end"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise DirectiveError(f"{name} must be an int, got {v!r}")
+        try:
+            rep = tuple(self.replacement)
+        except TypeError as e:
+            raise DirectiveError(f"replacement must be a sequence of token ids: {e}") from e
+        for t in rep:
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+                raise DirectiveError(f"replacement token {t!r} is not an int")
+        object.__setattr__(self, "replacement", tuple(int(t) for t in rep))
+        object.__setattr__(self, "start", int(self.start))
+        object.__setattr__(self, "end", int(self.end))
+        if not isinstance(self.mode, Mode):
+            raise DirectiveError(f"unknown mode {self.mode!r}: use Mode.AMORTIZE or Mode.FORGET")
+
+    @property
+    def delta(self) -> int:
+        """Δ = len(replacement) - (end - start)."""
+        return len(self.replacement) - (self.end - self.start)
+
+    @property
+    def is_noop(self) -> bool:
+        return self.start == self.end and not self.replacement
+
+
+def apply_to_list(tokens: Sequence[int], directives: Sequence[Directive]) -> list[int]:
+    """The edited token list of an (already validated) batch: the semantics in plain Python."""
+    out, cursor = [], 0
+    for d in sorted(directives, key=lambda d: (d.start, d.end)):
+        out += list(tokens[cursor : d.start]) + list(d.replacement)
+        cursor = d.end
+    return out + list(tokens[cursor:])
+
+
+def validate(directives: Sequence[Directive], length: int, vocab_size: int) -> list[Directive]:
+    """Check a batch against a sequence of `length` tokens; return it sorted, no-ops dropped."""
+    ds = list(directives)
+    for d in ds:
+        if not isinstance(d, Directive):
+            raise DirectiveError(f"{d!r} is not a Directive")
+        if not 0 <= d.start <= d.end <= length:
+            raise DirectiveError(
+                f"directive [{d.start}, {d.end}) is out of range or inverted for a sequence of "
+                f"{length} tokens (need 0 <= start <= end <= length)"
+            )
+        bad = [t for t in d.replacement if not 0 <= t < vocab_size]
+        if bad:
+            raise DirectiveError(f"replacement token {bad[0]} is outside [0, {vocab_size})")
+    ds = sorted((d for d in ds if not d.is_noop), key=lambda d: (d.start, d.end))
+    for a, b in zip(ds, ds[1:], strict=False):
+        if a.end > b.start or a.start == b.start:
+            raise DirectiveError(
+                f"directives [{a.start}, {a.end}) and [{b.start}, {b.end}) overlap (two edits "
+                "at one start are ambiguous: merge them)"
+            )
+    return ds
+
+
+# ---- AMORTIZE planning (host) ---------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class SplicePlan:
+    """Everything the device needs to apply an AMORTIZE batch to one sequence."""
+
+    new_tokens: list[int]
+    page_row: np.ndarray  # i32[max_pages] the sequence's new page-table row (P = unused)
+    fresh: np.ndarray  # i32[F] pages taken from the pool
+    released: np.ndarray  # i32[R] pages the sequence no longer references
+    src: np.ndarray  # i32[M] moved slots: old slot
+    dst: np.ndarray  # i32[M] new slot
+    pos_from: np.ndarray  # i32[M] old position
+    pos_to: np.ndarray  # i32[M] new position
+    fills: list[tuple[int, tuple[int, ...]]]  # (new start, replacement) left to right
+
+
+def plan_splice(
+    tokens: Sequence[int],
+    page_row: np.ndarray,  # i32[max_pages] current row
+    directives: Sequence[Directive],  # validated, sorted, AMORTIZE
+    page_size: int,
+    free_pages: np.ndarray,  # i32[...] free page ids, lowest first
+    num_pages: int,
+) -> SplicePlan:
+    """Pages from the one holding the first edited token onwards are rebuilt in fresh pages:
+    kept tokens move there (rotated by their shift), replacements are prefilled there; the
+    prefix pages before it are untouched. Raises OutOfPagesError if the pool is short."""
+    n, ps = len(tokens), page_size
+    new_tokens = apply_to_list(tokens, directives)
+    first_page = directives[0].start // ps
+    old_pages = -(-n // ps)
+    new_pages = -(-len(new_tokens) // ps)
+    need = new_pages - first_page
+    if need > len(free_pages):
+        raise OutOfPagesError(
+            f"splice needs {need} fresh pages; {len(free_pages)} of {num_pages} are free"
+        )
+    fresh = np.asarray(free_pages[:need], np.int32)
+    row = np.full_like(page_row, num_pages)
+    row[:first_page] = page_row[:first_page]
+    row[first_page:new_pages] = fresh
+
+    starts = np.array([d.start for d in directives])
+    ends = np.array([d.end for d in directives])
+    cum = np.concatenate([[0], np.cumsum([d.delta for d in directives])])
+    i = np.arange(first_page * ps, n)  # every old token on a rebuilt page
+    k = np.searchsorted(starts, i, side="right") - 1  # last directive starting at or before i
+    deleted = (k >= 0) & (i < ends[np.maximum(k, 0)])
+    i = i[~deleted]
+    shift = cum[np.searchsorted(ends, i, side="right")]  # sum of deltas of edits before i
+    j = i + shift
+    src = page_row[i // ps] * ps + i % ps
+    dst = row[j // ps] * ps + j % ps
+    fills = [
+        (d.start + int(cum[q]), d.replacement) for q, d in enumerate(directives) if d.replacement
+    ]
+    return SplicePlan(
+        new_tokens=new_tokens,
+        page_row=row,
+        fresh=fresh,
+        released=np.asarray(page_row[first_page:old_pages], np.int32),
+        src=src.astype(np.int32),
+        dst=dst.astype(np.int32),
+        pos_from=i.astype(np.int32),
+        pos_to=j.astype(np.int32),
+        fills=fills,
+    )
+
+
+# ---- device steps ---------------------------------------------------------------------------
+def _pad(a: np.ndarray, size: int, fill: int) -> jnp.ndarray:
+    out = np.full(size, fill, np.int32)
+    out[: len(a)] = a
+    return jnp.asarray(out)
+
+
+@functools.partial(jax.jit, static_argnames="impl", donate_argnames="state")
+def _splice_step(
+    state: PagedKVState,
+    seq,
+    row,
+    token_row,
+    length,
+    fresh,
+    released,
+    src,
+    dst,
+    pos_from,
+    pos_to,
+    inv_freq,
+    *,
+    impl,
+):
+    """Move + rotate the kept slots into fresh pages and install the new row (pure)."""
+    layers, pages, ps = state.num_layers, state.num_pages, state.page_size
+    c = state.c_kv.reshape(layers, pages * ps, -1)
+    k = state.k_pe.reshape(layers, pages * ps, -1)
+    c, k = splice_rotate(c, k, src, dst, pos_from, pos_to, inv_freq, impl=impl)
+    refcount = state.refcount.at[fresh].add(1, mode="drop").at[released].add(-1, mode="drop")
+    return dataclasses.replace(
+        state,
+        c_kv=c.reshape(state.c_kv.shape),
+        k_pe=k.reshape(state.k_pe.shape),
+        page_table=state.page_table.at[seq].set(row),
+        token_ids=state.token_ids.at[seq].set(token_row),
+        lengths=state.lengths.at[seq].set(length),
+        positions=state.positions.at[seq].set(length),
+        refcount=refcount,
+    )
+
+
+@functools.partial(jax.jit, donate_argnames="state")
+def _truncate_step(state: PagedKVState, seq, length, released):
+    """Cut `seq` to `length` tokens, dropping the page references past it; zero what nobody
+    references any more: released pages reaching refcount 0, and the tail of a kept partial
+    page the sequence alone holds."""
+    ps, pages = state.page_size, state.num_pages
+    refcount = state.refcount.at[released].add(-1, mode="drop")
+    dead = jnp.where(refcount.at[released].get(mode="fill", fill_value=1) == 0, released, pages)
+    c = state.c_kv.at[:, dead].set(0, mode="drop")
+    k = state.k_pe.at[:, dead].set(0, mode="drop")
+    keep_cols = -(-length // ps)
+    cols = jnp.arange(state.max_pages_per_seq)
+    row = jnp.where(cols < keep_cols, state.page_table[seq], pages)
+    last = row[jnp.maximum(keep_cols - 1, 0)]
+    own_tail = (length % ps != 0) & (refcount.at[last].get(mode="fill", fill_value=2) == 1)
+    tail = jnp.where(
+        own_tail & (jnp.arange(ps) >= length % ps), last * ps + jnp.arange(ps), pages * ps
+    )
+    c = c.reshape(c.shape[0], -1, c.shape[-1]).at[:, tail].set(0, mode="drop").reshape(c.shape)
+    k = k.reshape(k.shape[0], -1, k.shape[-1]).at[:, tail].set(0, mode="drop").reshape(k.shape)
+    tok = jnp.where(jnp.arange(state.max_seq_len) < length, state.token_ids[seq], 0)
+    return dataclasses.replace(
+        state,
+        c_kv=c,
+        k_pe=k,
+        refcount=refcount,
+        page_table=state.page_table.at[seq].set(row),
+        token_ids=state.token_ids.at[seq].set(tok),
+        lengths=state.lengths.at[seq].set(length),
+        positions=state.positions.at[seq].set(length),
+    )
+
+
+def _fill(model: MLAModel, state: PagedKVState, seq: int, start: int, tokens: Sequence[int]):
+    t = paged.bucket(len(tokens), paged.MIN_TOKEN_BUCKET)
+    end = start + len(tokens)
+    width = paged.bucket(-(-end // state.page_size), maximum=state.max_pages_per_seq)
+    graphdef, params = nnx.split(model)
+    state, _ = paged._fill_step(
+        graphdef,
+        params,
+        state,
+        jnp.int32(seq),
+        _pad(np.asarray(tokens), t, 0),
+        jnp.int32(start),
+        jnp.int32(len(tokens)),
+        width=width,
+    )
+    return state
+
+
+def _splice(model, state, seq, meta, tokens, directives, impl):
+    """Apply a validated AMORTIZE batch (pages already checked by the caller's plan)."""
+    free = np.flatnonzero(meta["refcount"] == 0).astype(np.int32)
+    plan = plan_splice(
+        tokens, meta["page_table"][seq], directives, state.page_size, free, state.num_pages
+    )
+    m = paged.bucket(len(plan.src), MIN_MOVE_BUCKET)
+    slots = state.num_pages * state.page_size
+    pages_bucket = paged.bucket(max(len(plan.fresh), len(plan.released), 1))
+    token_row = np.zeros(state.max_seq_len, np.int32)
+    token_row[: len(plan.new_tokens)] = plan.new_tokens
+    state = _splice_step(
+        state,
+        jnp.int32(seq),
+        jnp.asarray(plan.page_row),
+        jnp.asarray(token_row),
+        jnp.int32(len(plan.new_tokens)),
+        _pad(plan.fresh, pages_bucket, state.num_pages),
+        _pad(plan.released, pages_bucket, state.num_pages),
+        _pad(plan.src, m, 0),
+        _pad(plan.dst, m, slots),
+        _pad(plan.pos_from, m, 0),
+        _pad(plan.pos_to, m, 0),
+        jnp.asarray(_inv_freq(model.config)),
+        impl=impl,
+    )
+    for start, rep in plan.fills:
+        state = _fill(model, state, seq, start, rep)
+    return state
+
+
+def _check_budget(meta, state, seq, length, cut, spliced, cut_new, tail_len) -> None:
+    """Simulate the page accounting of truncate -> splice -> prefill on a host copy of the
+    refcounts; raise OutOfPagesError if any step would find the pool short."""
+    ps, refcount = state.page_size, meta["refcount"].copy()
+    row = meta["page_table"][seq]
+
+    def release(pages):
+        for p in pages:
+            refcount[p] -= 1
+
+    release(row[-(-cut // ps) : -(-length // ps)])  # truncation (a no-op without FORGET)
+    steps = []
+    if spliced:
+        first = spliced[0].start // ps
+        steps.append(-(-cut_new // ps) - first)
+    if tail_len:
+        last = row[(cut - 1) // ps] if cut % ps and not spliced else -1
+        shared = bool(last >= 0 and refcount[last] > 1)
+        steps.append(int(kv.pages_needed(cut_new, tail_len, shared, ps)[0]))
+    for i, need in enumerate(steps):
+        free = int((refcount == 0).sum())
+        if need > free:
+            raise OutOfPagesError(
+                f"the directive batch needs {need} pages at step {i + 1}; "
+                f"{free} of {state.num_pages} would be free"
+            )
+        refcount[np.flatnonzero(refcount == 0)[:need]] = 1
+        if spliced and i == 0:
+            release(row[spliced[0].start // ps : -(-cut // ps)])
+
+
+# ---- public API -----------------------------------------------------------------------------
+def apply_directives(
+    model: MLAModel,
+    state: PagedKVState,
+    seq: int,
+    directives: Sequence[Directive],
+    *,
+    impl: str | None = None,
+) -> PagedKVState:
+    """Apply an atomic batch of non-overlapping directives (pre-batch coordinates) to `seq`.
+
+    AMORTIZE edits are spliced; if any directive is FORGET, everything from the first FORGET
+    start is dropped and re-prefilled (AMORTIZE edits before it are still spliced). Raises
+    `DirectiveError` (invalid input) or `OutOfPagesError` before anything changes. Donates
+    `state`. `impl` picks the splice implementation (see `pallas_kernels.splice_rotate`).
+    """
+    meta = kv.host_meta(state)
+    try:
+        seq = kv._check_seq(meta, state, seq, must_be_open=True)
+    except SequenceError as e:
+        raise DirectiveError(str(e)) from e
+    length = int(meta["lengths"][seq])
+    ds = validate(directives, length, model.config.vocab_size)
+    if not ds:
+        return state
+    tokens = kv.tokens(state, seq)
+    new_tokens = apply_to_list(tokens, ds)
+    if len(new_tokens) > state.max_seq_len:
+        raise DirectiveError(
+            f"the edited sequence would hold {len(new_tokens)} tokens, more "
+            f"than max_seq_len={state.max_seq_len}"
+        )
+    if len(new_tokens) == 0:
+        raise DirectiveError("the edit would leave the sequence empty: free it instead")
+    ps = state.page_size
+    forget = [d for d in ds if d.mode is Mode.FORGET]
+    cut = forget[0].start if forget else length
+    spliced = [d for d in ds if d.end <= cut and d.mode is Mode.AMORTIZE]
+    cut_new = cut + sum(d.delta for d in spliced)
+    tail = new_tokens[cut_new:] if forget else []
+    _check_budget(meta, state, seq, length, cut, spliced, cut_new, len(tail))
+
+    # ---- apply ------------------------------------------------------------------------------
+    if forget:
+        row = meta["page_table"][seq]
+        released = row[-(-cut // ps) : -(-length // ps)]
+        state = _truncate_step(
+            state,
+            jnp.int32(seq),
+            jnp.int32(cut),
+            _pad(released, paged.bucket(max(len(released), 1)), state.num_pages),
+        )
+        meta = kv.host_meta(state)
+        tokens = tokens[:cut]
+    if spliced:
+        state = _splice(model, state, seq, meta, tokens, spliced, impl)
+    if tail:
+        state, _ = paged.prefill(model, state, seq, tail)
+    return state
+
+
+def apply_directive(
+    model: MLAModel, state: PagedKVState, seq: int, directive: Directive, *, impl: str | None = None
+) -> PagedKVState:
+    """Apply one directive to `seq` (see `apply_directives`)."""
+    return apply_directives(model, state, seq, [directive], impl=impl)
+
+
+__all__ = [
+    "Directive",
+    "DirectiveError",
+    "Mode",
+    "apply_directive",
+    "apply_directives",
+    "apply_to_list",
+    "plan_splice",
+]
