@@ -210,11 +210,17 @@ def splice_rotate(c, k, src, dst, pos_from, pos_to, inv_freq, *, impl: str | Non
     """
     if impl is None:
         impl = "pallas" if jax.default_backend() == "tpu" else "jnp"
+    modes = {
+        "jnp": None,
+        "pallas": False,
+        "interpret": True,
+        "tpu_interpret": pltpu.InterpretParams(),
+    }
+    if impl not in modes:
+        raise ValueError(f"unknown impl {impl!r}: None, jnp, pallas, interpret, tpu_interpret")
+    if not isinstance(src, jax.core.Tracer) and not isinstance(dst, jax.core.Tracer):
+        validate_dynamic(c, src, dst)  # concrete indices: check here (under jit the caller does)
     if impl == "jnp":
         return splice_rotate_ref(c, k, src, dst, pos_from, pos_to, inv_freq)
-    interpret = {"pallas": False, "interpret": True, "tpu_interpret": pltpu.InterpretParams()}.get(
-        impl
-    )
-    if interpret is None and impl not in ("pallas",):
-        raise ValueError(f"unknown impl {impl!r}")
+    interpret = modes[impl]
     return splice_rotate_kernel(c, k, src, dst, pos_from, pos_to, inv_freq, interpret=interpret)
