@@ -181,9 +181,9 @@ def splice_rotate_kernel(
         num_scalar_prefetch=2,
         grid=(layers, mp // block),
         in_specs=[
-            pl.BlockSpec((block, 1), lambda l, b, *_: (b, 0)),  # pos_from
-            pl.BlockSpec((block, 1), lambda l, b, *_: (b, 0)),  # pos_to
-            pl.BlockSpec((1, inv.shape[1]), lambda l, b, *_: (0, 0)),  # inv_freq
+            pl.BlockSpec((block, 1), lambda layer, b, *_: (b, 0)),  # pos_from
+            pl.BlockSpec((block, 1), lambda layer, b, *_: (b, 0)),  # pos_to
+            pl.BlockSpec((1, inv.shape[1]), lambda layer, b, *_: (0, 0)),  # inv_freq
             any_spec,  # c, left in HBM
             any_spec,  # k, left in HBM
         ],

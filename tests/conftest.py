@@ -62,5 +62,14 @@ def hf_model():
     return get
 
 
+@pytest.fixture(scope="session")
+def small_model(tmp_path_factory):
+    """A one-layer dense model: cheap enough for property tests that make many calls."""
+    import leyline_jax as ll
+
+    cfg = {**ALL_CONFIGS["glm4_moe_lite"], "num_hidden_layers": 1, "mlp_layer_types": ["dense"]}
+    return ll.load_model(write_random_checkpoint(tmp_path_factory.mktemp("m1"), cfg))
+
+
 def random_tokens(n: int, vocab: int = 256, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, vocab, size=n).astype(np.int32)

@@ -27,8 +27,9 @@ NEW = [5, 6, 7]
 
 
 def fresh_state(model, pages=128, page_size=16, seqs=3):
-    return ll.init_state(model.config, num_pages=pages, page_size=page_size, max_seqs=seqs,
-                         kv_dtype=jnp.float32)
+    return ll.init_state(
+        model.config, num_pages=pages, page_size=page_size, max_seqs=seqs, kv_dtype=jnp.float32
+    )
 
 
 def run(model, tokens, directives, new=NEW, page_size=16, impl=None):
@@ -57,8 +58,9 @@ def test_amortize_same_tokens_is_identity(name, page_size, np_ckpt):
 
 # ---- (b) FORGET -----------------------------------------------------------------------------
 @pytest.mark.parametrize("name", FAMILIES)
-@pytest.mark.parametrize("span", [(37, 120, [1, 2, 3]), (0, 10, []), (150, 150, [9] * 20),
-                                  (290, 300, [4])])
+@pytest.mark.parametrize(
+    "span", [(37, 120, [1, 2, 3]), (0, 10, []), (150, 150, [9] * 20), (290, 300, [4])]
+)
 def test_forget_equals_fresh_prefill(name, span, np_ckpt):
     model = ll.load_model(np_ckpt(name))
     toks = random_tokens(N, seed=2).tolist()
@@ -81,7 +83,7 @@ def test_forget_zeroes_released_pages(np_ckpt):
     assert not np.asarray(state.c_kv)[:, released].any()
     assert not np.asarray(state.k_pe)[:, released].any()
     # the kept partial page holds nothing past the cut either
-    assert not np.asarray(state.c_kv)[:, old[1], 20 - 16:].any()
+    assert not np.asarray(state.c_kv)[:, old[1], 20 - 16 :].any()
     assert np.asarray(state.c_kv)[:, old[1], : 20 - 16].any()
 
 
@@ -118,16 +120,17 @@ def hf_amortize_reference(hf, tokens, start, end, rep, new, interleaved):
 
 
 @pytest.mark.parametrize("name", ALL_NAMES)
-@pytest.mark.parametrize("span", [(37, 120, [1, 2, 3]), (50, 60, list(range(100, 140))),
-                                  (200, 200, [8] * 17), (10, 26, [])])
+@pytest.mark.parametrize(
+    "span",
+    [(37, 120, [1, 2, 3]), (50, 60, list(range(100, 140))), (200, 200, [8] * 17), (10, 26, [])],
+)
 def test_amortize_matches_hf_reference(name, span, hf_ckpt, hf_model):
     path = hf_ckpt(name)
     model, hf = ll.load_model(path), hf_model(path)
     toks = random_tokens(N, seed=4).tolist()
     start, end, rep = span
     _, got = run(model, toks, [ll.Directive(start, end, rep)])
-    ref = hf_amortize_reference(hf, toks, start, end, rep, NEW,
-                                interleaved=name == "deepseek_v2")
+    ref = hf_amortize_reference(hf, toks, start, end, rep, NEW, interleaved=name == "deepseek_v2")
     assert_logits_match(got, ref)
     # and AMORTIZE is not FORGET here (the test can tell them apart)
     fresh = np.asarray(model(np.asarray(toks[:start] + rep + toks[end:] + NEW)))[-1]
@@ -140,15 +143,19 @@ def test_batch_equals_sequential_left_to_right(np_ckpt):
     edited text before it."""
     model = ll.load_model(np_ckpt("deepseek_v3"))
     toks = random_tokens(N, seed=5).tolist()
-    batch = [ll.Directive(20, 30, [1, 2]), ll.Directive(100, 100, [3] * 9),
-             ll.Directive(250, 290, [])]
+    batch = [
+        ll.Directive(20, 30, [1, 2]),
+        ll.Directive(100, 100, [3] * 9),
+        ll.Directive(250, 290, []),
+    ]
     _, together = run(model, toks, batch)
     state = fresh_state(model)
     state, _ = ll.prefill(model, state, 0, toks)
     shift = 0
     for d in batch:
         state = ll.apply_directive(
-            model, state, 0, ll.Directive(d.start + shift, d.end + shift, d.replacement))
+            model, state, 0, ll.Directive(d.start + shift, d.end + shift, d.replacement)
+        )
         shift += d.delta
     state, apart = ll.prefill(model, state, 0, NEW)
     # downstream keys are rotated once by the summed Δ, or several times: rounding only
@@ -194,8 +201,9 @@ def test_splicing_a_fork_leaves_the_other_alone(mode, np_ckpt):
 # ---- bad input ------------------------------------------------------------------------------
 def test_invalid_directives_leave_state_untouched(np_ckpt):
     model = ll.load_model(np_ckpt("deepseek_v2"))
-    state = ll.init_state(model.config, num_pages=8, page_size=16, max_seqs=2,
-                          kv_dtype=jnp.float32, max_seq_len=512)
+    state = ll.init_state(
+        model.config, num_pages=8, page_size=16, max_seqs=2, kv_dtype=jnp.float32, max_seq_len=512
+    )
     state, _ = ll.prefill(model, state, 0, random_tokens(60).tolist())
     snap = [np.asarray(x).copy() for x in jax.tree.leaves(state)]
     D = ll.Directive

@@ -12,20 +12,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ALL_CONFIGS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import leyline_jax as ll
-from checkpoints.tiny import write_random_checkpoint
 
 PAGE, PAGES, SEQS, MAX_LEN = 4, 10, 4, 24
-
-
-@pytest.fixture(scope="module")
-def small_model(tmp_path_factory):
-    cfg = {**ALL_CONFIGS["glm4_moe_lite"], "num_hidden_layers": 1, "mlp_layer_types": ["dense"]}
-    return ll.load_model(write_random_checkpoint(tmp_path_factory.mktemp("m1"), cfg))
 
 
 ops = st.one_of(
