@@ -28,6 +28,8 @@ from leyline_jax.kv_state import OutOfPagesError, PagedKVState, SequenceError
 from leyline_jax.model import MLAModel, check_tokens, mla_attention
 
 MIN_TOKEN_BUCKET = 16
+# Longer prefills run in chunks of this many tokens (bounds the [N, T, S] score buffer).
+PREFILL_CHUNK = 1024
 
 
 def bucket(n: int, minimum: int = 1, maximum: int | None = None) -> int:
@@ -168,16 +170,25 @@ def prefill(
             f"prefill of {n} tokens on sequence {seq} needs {need} pages; "
             f"{_free_pages(meta)} of {state.num_pages} are free"
         )
-    t = bucket(n, MIN_TOKEN_BUCKET)
-    width = bucket(-(-(length + n) // state.page_size), maximum=state.max_pages_per_seq)
-    padded = np.zeros(t, np.int32)
-    padded[:n] = toks
     if is_new:
         state = _open(state, seq)
     graphdef, params = nnx.split(model)
-    return _prefill_step(
-        graphdef, params, state, jnp.int32(seq), jnp.asarray(padded), jnp.int32(n), width=width
-    )
+    for a in range(0, n, PREFILL_CHUNK):
+        chunk = toks[a : a + PREFILL_CHUNK]
+        padded = np.zeros(bucket(len(chunk), MIN_TOKEN_BUCKET), np.int32)
+        padded[: len(chunk)] = chunk
+        end = length + a + len(chunk)
+        width = bucket(-(-end // state.page_size), maximum=state.max_pages_per_seq)
+        state, logits = _prefill_step(
+            graphdef,
+            params,
+            state,
+            jnp.int32(seq),
+            jnp.asarray(padded),
+            jnp.int32(len(chunk)),
+            width=width,
+        )
+    return state, logits
 
 
 def decode(
