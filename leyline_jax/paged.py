@@ -5,12 +5,12 @@ raises before anything changes; then it pads to a bucketed shape and calls a pri
 that donates the state. Donation means the state passed in is consumed: keep using the returned
 one.
 
-Prefill uses the expanded attention form (K_nope and V per head from the gathered latent):
-with T query tokens against S cached slots it costs S·R·N·(Dn+Dv) to expand plus T·S·N·(Dn+Dr+Dv)
-to attend, against T·S·N·(2R+Dr) for the absorbed form; with T close to S and R = 512 vs
-Dn = 128 the expanded form is cheaper. Decode (T = 1 per sequence) uses the absorbed form: the
-queries are multiplied into the latent space and attention reads `c_kv` and `k_pe` directly,
-never materialising per-head K/V for the cache.
+Attention form. With T query tokens against S cached slots, the expanded form (K_nope and V per
+head from the gathered latent) costs S·R·N·(Dn+Dv) to expand plus T·S·N·(Dn+Dr+Dv) to attend;
+the absorbed form (queries multiplied into the latent space, attention reading `c_kv` and `k_pe`
+directly, no per-head K/V for the cache) costs T·S·N·(2R+Dr). Decode (T = 1 per sequence)
+always absorbs; a prefill block absorbs when T·(2R+Dr) < R·(Dn+Dv) (T < 120 for DeepSeek
+shapes: short chunks and directive fills) and expands otherwise (long prompt chunks).
 """
 
 from __future__ import annotations
@@ -74,6 +74,16 @@ def _attention_mask(state, lengths_after, positions, width):
     )
 
 
+def _absorb(config, t: int) -> bool:
+    """Absorbed form for a block of t queries? Per slot, expanding K/V costs R·N·(Dn+Dv)
+    multiply-adds once; the absorbed form costs t·N·(2R+Dr) (scores against c_kv and k_pe, and
+    the output in latent space). Short blocks (decode, fills, small chunks) absorb."""
+    c = config
+    return t * (2 * c.kv_lora_rank + c.qk_rope_head_dim) < c.kv_lora_rank * (
+        c.qk_nope_head_dim + c.v_head_dim
+    )
+
+
 def _fill(model, state, seq, tokens, start, count, width):
     """Run `count` real tokens (of `tokens`, i32[T]) at positions start.. of `seq`, whose slots the
     page table already holds; each attends to every slot before it. Returns the state and the
@@ -87,8 +97,9 @@ def _fill(model, state, seq, tokens, start, count, width):
         real, jnp.take_along_axis(pages, col, 1) * ps + positions % ps, state.num_pages * ps
     )
     mask = _attention_mask(state, (start + count)[None], positions, width)
+    absorbed = _absorb(model.config, tokens.shape[0])
     h, state = _forward_paged(
-        model, state, tokens[None], positions, slots, pages, mask, absorbed=False
+        model, state, tokens[None], positions, slots, pages, mask, absorbed=absorbed
     )
     last = jax.lax.dynamic_index_in_dim(h[0], count - 1, keepdims=False)
     return state, model.logits(last)
