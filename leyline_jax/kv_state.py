@@ -230,11 +230,16 @@ def write_kv(
     """Store one layer's latent and rope band at `slots` (cast to the storage dtypes)."""
     ps = state.page_size
     page, off = slots // ps, slots % ps
-    return dataclasses.replace(
-        state,
-        c_kv=state.c_kv.at[layer, page, off].set(c_kv.astype(state.c_kv.dtype), mode="drop"),
-        k_pe=state.k_pe.at[layer, page, off].set(k_pe.astype(state.k_pe.dtype), mode="drop"),
-    )
+
+    def put(pool, rows):  # scatter on an unsigned view: bit-identical, and XLA:CPU scatters
+        bits = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[pool.dtype.itemsize]  # bf16 slowly
+        view = jax.lax.bitcast_convert_type(pool, bits)
+        new = jax.lax.bitcast_convert_type(rows.astype(pool.dtype), bits)
+        return jax.lax.bitcast_convert_type(
+            view.at[layer, page, off].set(new, mode="drop"), pool.dtype
+        )
+
+    return dataclasses.replace(state, c_kv=put(state.c_kv, c_kv), k_pe=put(state.k_pe, k_pe))
 
 
 def gather_kv(
