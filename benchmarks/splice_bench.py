@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import leyline_jax as ll
-from benchmarks.common import BENCH_HF_CONFIG, measure_copy_bandwidth
+from benchmarks.common import BENCH_HF_CONFIG, measure_copy_bandwidth, median_time
 from checkpoints.tiny import write_random_checkpoint
 from leyline_jax import kv_state as kv
 from leyline_jax.model import _inv_freq
@@ -112,13 +112,7 @@ def time_splice_only(model, downstream: int, repeats: int) -> float:
         box["c"], box["k"] = step(box["c"], box["k"], src, dst, pos_from, pos_to, inv)
         return box["k"]
 
-    jax.block_until_ready(run())
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(run())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median_time(run, repeats=repeats)
 
 
 def time_reprefill(model, downstream: int, repeats: int) -> float:
