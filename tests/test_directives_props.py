@@ -5,12 +5,11 @@ positions). Invalid batches raise DirectiveError and leave the state bit-identic
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from test_kv_state_props import MAX_LEN, PAGE, PAGES, SEQS, check_invariants, snapshot
+from test_kv_state_props import MAX_LEN, PAGE, SEQS, check_invariants, empty_state, snapshot
 
 import leyline_jax as ll
 from leyline_jax.directives import apply_to_list
@@ -49,14 +48,7 @@ def valid_batch(ds, length) -> bool:
 def test_directives_keep_invariants(small_model, steps, seed):
     model = small_model
     rng = np.random.default_rng(seed)
-    state = ll.init_state(
-        model.config,
-        num_pages=PAGES,
-        page_size=PAGE,
-        max_seqs=SEQS,
-        kv_dtype=jnp.float32,
-        max_seq_len=MAX_LEN,
-    )
+    state = empty_state(model)
     seqs: dict[int, list[int]] = {}
     for step in [("append", 0, 12), ("fork", 0, 1), *steps]:
         before = snapshot(state)
@@ -122,14 +114,7 @@ class _Rejected(Exception):
 
 def test_snapshot_helper_sees_changes(small_model):
     """The bit-identity check above can fail: any applied edit changes the snapshot."""
-    state = ll.init_state(
-        small_model.config,
-        num_pages=PAGES,
-        page_size=PAGE,
-        max_seqs=SEQS,
-        kv_dtype=jnp.float32,
-        max_seq_len=MAX_LEN,
-    )
+    state = empty_state(small_model)
     state, _ = ll.prefill(small_model, state, 0, [1, 2, 3, 4, 5])
     before = snapshot(state)
     state = ll.apply_directive(small_model, state, 0, ll.Directive(1, 2, [9, 9]))

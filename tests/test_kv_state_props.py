@@ -28,6 +28,18 @@ ops = st.one_of(
 )
 
 
+def empty_state(model):
+    """The small pool every property test starts from (fp32 storage)."""
+    return ll.init_state(
+        model.config,
+        num_pages=PAGES,
+        page_size=PAGE,
+        max_seqs=SEQS,
+        kv_dtype=jnp.float32,
+        max_seq_len=MAX_LEN,
+    )
+
+
 def snapshot(state):
     return [np.asarray(x).copy() for x in jax.tree.leaves(state)]
 
@@ -68,14 +80,7 @@ def pages_for(state, s, n, model_seqs):
 def test_random_operations_keep_invariants(small_model, steps, seed):
     model = small_model
     rng = np.random.default_rng(seed)
-    state = ll.init_state(
-        model.config,
-        num_pages=PAGES,
-        page_size=PAGE,
-        max_seqs=SEQS,
-        kv_dtype=jnp.float32,
-        max_seq_len=MAX_LEN,
-    )
+    state = empty_state(model)
     seqs: dict[int, list[int]] = {}
     for step in steps:
         before = snapshot(state)

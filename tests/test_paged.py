@@ -242,8 +242,9 @@ def test_long_prefill_runs_in_chunks(np_ckpt):
     """Prompts longer than PREFILL_CHUNK go through several jitted chunks; same logits."""
     model = ll.load_model(np_ckpt("glm4_moe_lite"))
     tokens = random_tokens(paged.PREFILL_CHUNK + 300, seed=9)
-    state = ll.init_state(model.config, num_pages=100, page_size=16, max_seqs=1,
-                          kv_dtype=jnp.float32)
+    state = ll.init_state(
+        model.config, num_pages=100, page_size=16, max_seqs=1, kv_dtype=jnp.float32
+    )
     state, logits = ll.prefill(model, state, 0, tokens)
     assert_logits_match(np.asarray(logits), np.asarray(model(tokens))[-1])
     assert ll.tokens(state, 0) == tokens.tolist()
