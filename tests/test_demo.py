@@ -1,4 +1,4 @@
-"""The `make run` demo: greedy decode over a padded bucket equals decoding without padding."""
+"""The `make run` demo: greedy decode through the paged cache equals full-sequence greedy."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import leyline_jax as ll
 from serve import demo
 
 
-def test_greedy_padded_equals_unpadded(np_ckpt):
+def test_greedy_paged_equals_full_recompute(np_ckpt):
     model = ll.load_model(np_ckpt("glm4_moe_lite"))
     prompt = np.random.default_rng(1).integers(0, 256, 21).tolist()
     tokens, timings = demo.greedy(model, prompt, 5)
