@@ -125,6 +125,20 @@ def bench_hf(path, t_prefill: int, batch: int, vocab: int):
     return prefill_s, decode_s
 
 
+def _row(config: str, kind: str, size: int, ours: float, theirs: float, floor: float) -> dict:
+    """One result row; times are seconds for `size` tokens."""
+    return dict(
+        config=config,
+        kind=kind,
+        size=size,
+        ours_tok_s=size / ours,
+        hf_tok_s=size / theirs,
+        floor_tok_s=size / floor,
+        speedup_vs_hf=theirs / ours,
+        ours_over_floor=ours / floor,
+    )
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default="tiny,bench")
@@ -148,34 +162,12 @@ def main(argv=None) -> None:
                 ours, _ = bench_ours(model, t, 1)
                 theirs, _ = bench_hf(path, t, 1, c.vocab_size)
                 floor = prefill_flops(c, t, active) / rate
-                rows.append(
-                    dict(
-                        config=name,
-                        kind="prefill",
-                        size=t,
-                        ours_tok_s=t / ours,
-                        hf_tok_s=t / theirs,
-                        floor_tok_s=t / floor,
-                        speedup_vs_hf=theirs / ours,
-                        ours_over_floor=ours / floor,
-                    )
-                )
+                rows.append(_row(name, "prefill", t, ours, theirs, floor))
             for b in (1, 8, 32):
                 _, ours = bench_ours(model, 16, b)
                 _, theirs = bench_hf(path, 16, b, c.vocab_size)
                 floor = max(decode_bytes(c, b, CONTEXT, active) / bw, 2 * active * b / rate)
-                rows.append(
-                    dict(
-                        config=name,
-                        kind="decode",
-                        size=b,
-                        ours_tok_s=b / ours,
-                        hf_tok_s=b / theirs,
-                        floor_tok_s=b / floor,
-                        speedup_vs_hf=theirs / ours,
-                        ours_over_floor=ours / floor,
-                    )
-                )
+                rows.append(_row(name, "decode", b, ours, theirs, floor))
     print(
         f"{'config':6s} {'kind':7s} {'size':>5s} {'ours tok/s':>11s} {'HF tok/s':>10s} "
         f"{'floor tok/s':>12s} {'ours/HF':>8s} {'time/floor':>10s}"

@@ -352,7 +352,7 @@ def apply_directives(
     """
     meta = kv.host_meta(state)
     try:
-        seq = kv._check_seq(meta, state, seq, must_be_open=True)
+        seq = kv.check_seq(meta, state, seq, must_be_open=True)
     except SequenceError as e:
         raise DirectiveError(str(e)) from e
     length = int(meta["lengths"][seq])

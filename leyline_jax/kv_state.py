@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from leyline_jax.config import MLAConfig
+from pallas_kernels.splice_rotate import as_bits
 
 
 class OutOfPagesError(RuntimeError):
@@ -232,9 +233,7 @@ def write_kv(
     page, off = slots // ps, slots % ps
 
     def put(pool, rows):  # scatter on an unsigned view: bit-identical, and XLA:CPU scatters
-        bits = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[pool.dtype.itemsize]  # bf16 slowly
-        view = jax.lax.bitcast_convert_type(pool, bits)
-        new = jax.lax.bitcast_convert_type(rows.astype(pool.dtype), bits)
+        view, new = as_bits(pool), as_bits(rows.astype(pool.dtype))  # bf16 element by element
         return jax.lax.bitcast_convert_type(
             view.at[layer, page, off].set(new, mode="drop"), pool.dtype
         )
@@ -267,12 +266,14 @@ def host_meta(state: PagedKVState) -> dict[str, np.ndarray]:
 def tokens(state: PagedKVState, seq: int) -> list[int]:
     """The token ids of sequence `seq` as it is now."""
     meta = host_meta(state)
-    _check_seq(meta, state, seq, must_be_open=True)
+    check_seq(meta, state, seq, must_be_open=True)
     n = int(meta["lengths"][seq])
     return [int(x) for x in np.asarray(state.token_ids[seq, :n])]
 
 
-def _check_seq(meta, state: PagedKVState, seq, *, must_be_open: bool) -> int:
+def check_seq(meta, state: PagedKVState, seq, *, must_be_open: bool) -> int:
+    """Raise SequenceError unless `seq` is an int in range (and open, if asked); `meta` is
+    `host_meta(state)`."""
     if isinstance(seq, bool) or not isinstance(seq, (int, np.integer)):
         raise SequenceError(f"sequence id must be an int, got {seq!r}")
     if not 0 <= seq < state.max_seqs:

@@ -170,7 +170,7 @@ def prefill(
     """
     toks = np.asarray(check_tokens(tokens, model.config.vocab_size))
     meta = kv.host_meta(state)
-    seq = kv._check_seq(meta, state, seq, must_be_open=False)
+    seq = kv.check_seq(meta, state, seq, must_be_open=False)
     is_new = not meta["active"][seq]
     length = 0 if is_new else int(meta["lengths"][seq])
     n = len(toks)
@@ -219,7 +219,7 @@ def decode(
     meta = kv.host_meta(state)
     need = 0
     for s in seqs:
-        kv._check_seq(meta, state, s, must_be_open=True)
+        kv.check_seq(meta, state, s, must_be_open=True)
         length = int(meta["lengths"][s])
         _check_room(state, s, length, 1)
         need += int(
@@ -255,8 +255,8 @@ def decode(
 def fork(state: PagedKVState, src: int, dst: int) -> PagedKVState:
     """Open `dst` as a copy of open sequence `src`, sharing its pages. Donates `state`."""
     meta = kv.host_meta(state)
-    kv._check_seq(meta, state, src, must_be_open=True)
-    kv._check_seq(meta, state, dst, must_be_open=False)
+    kv.check_seq(meta, state, src, must_be_open=True)
+    kv.check_seq(meta, state, dst, must_be_open=False)
     if meta["active"][dst]:
         raise SequenceError(f"sequence {dst} is already open")
     return _fork(state, src, dst)
@@ -265,7 +265,7 @@ def fork(state: PagedKVState, src: int, dst: int) -> PagedKVState:
 def free(state: PagedKVState, seq: int) -> PagedKVState:
     """Close open sequence `seq`, releasing its page references. Donates `state`."""
     meta = kv.host_meta(state)
-    kv._check_seq(meta, state, seq, must_be_open=True)
+    kv.check_seq(meta, state, seq, must_be_open=True)
     return _free(state, seq)
 
 

@@ -7,8 +7,7 @@ Checkpoints that pair dimensions interleaved ((x[2i], x[2i+1])) are permuted at 
 Phases are computed the way the reference does: fp32 `position * inv_freq`. YaRN's attention factor
 (`MLAConfig.rope_scale`) multiplies cos/sin when a key or query is first embedded
 (`apply_rope`), exactly where transformers applies it, and so is baked into cached `k_pe`.
-`rotate` is a pure, unit-magnitude rotation (for moving already-embedded keys): it never applies
-the attention factor again.
+`rotate` is a pure, unit-magnitude rotation: it never applies the attention factor again.
 """
 
 from __future__ import annotations
@@ -97,22 +96,7 @@ def apply_rope(
 def rotate(x: jnp.ndarray, phase: jnp.ndarray) -> jnp.ndarray:
     """Unit-magnitude rotation of an embedded band by `phase` (f32[..., Dr/2]); fp32 math.
 
-    R(a)R(b) = R(a+b); R(a)R(-a) = I. To move a cached key between absolute positions use `move`.
+    R(a)R(b) = R(a+b); R(a)R(-a) = I. Moving a cached key between absolute positions is
+    `pallas_kernels.splice_rotate` (rotation from each absolute phase's own cos/sin).
     """
     return _rotate_halves(x.astype(jnp.float32), jnp.cos(phase), jnp.sin(phase)).astype(x.dtype)
-
-
-def move(x: jnp.ndarray, phase_from: jnp.ndarray, phase_to: jnp.ndarray) -> jnp.ndarray:
-    """Rotate an embedded band from absolute phases `phase_from` to `phase_to` (f32[..., Dr/2]).
-
-    The result matches what embedding at the new position would have cached (cos/sin of the fp32
-    phase `position * inv_freq`), unit magnitude. The rotation's cos/sin come from the angle
-    difference identities on each phase's own cos/sin, not from cos(phase_to - phase_from): at
-    phases ~1e5 rad an fp32 subtraction loses up to half an ulp (~4e-3 rad), the identities lose
-    a few 1e-7 whatever the phase.
-    """
-    ct, st = jnp.cos(phase_to), jnp.sin(phase_to)
-    cf, sf = jnp.cos(phase_from), jnp.sin(phase_from)
-    cos = ct * cf + st * sf  # cos(to - from)
-    sin = st * cf - ct * sf  # sin(to - from)
-    return _rotate_halves(x.astype(jnp.float32), cos, sin).astype(x.dtype)

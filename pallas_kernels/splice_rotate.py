@@ -82,11 +82,12 @@ def _rotation(pos_from, pos_to, inv_freq):
     return cb * ca + sb * sa, sb * ca - cb * sa
 
 
-def _bits(x):
-    """Same-width unsigned view. Moves are bit copies; XLA:CPU also scatters integers far faster
+def as_bits(x):
+    """Same-width unsigned view, for bit-exact moves: XLA:CPU also scatters integers far faster
     than bf16 (measured ~60x on 2048 rows of 512)."""
-    return jax.lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[
-        jnp.dtype(x.dtype).itemsize])
+    return jax.lax.bitcast_convert_type(
+        x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[jnp.dtype(x.dtype).itemsize]
+    )
 
 
 def splice_rotate_ref(c, k, src, dst, pos_from, pos_to, inv_freq):
@@ -97,9 +98,9 @@ def splice_rotate_ref(c, k, src, dst, pos_from, pos_to, inv_freq):
     x = k[:, src].astype(jnp.float32)  # [L, M, Dk]
     x1, x2 = x[..., :h], x[..., h:]
     y = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(k.dtype)
-    cb, kb = _bits(c), _bits(k)
+    cb, kb = as_bits(c), as_bits(k)
     cb = cb.at[:, dst].set(cb[:, src], mode="drop")
-    kb = kb.at[:, dst].set(_bits(y), mode="drop")
+    kb = kb.at[:, dst].set(as_bits(y), mode="drop")
     return (jax.lax.bitcast_convert_type(cb, c.dtype), jax.lax.bitcast_convert_type(kb, k.dtype))
 
 

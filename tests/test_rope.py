@@ -12,6 +12,7 @@ from conftest import ALL_CONFIGS, ALL_NAMES
 
 import leyline_jax as ll
 from leyline_jax import rope
+from pallas_kernels.splice_rotate import splice_rotate_ref
 
 
 def rope64_phase(x: np.ndarray, ph: np.ndarray, scale: float = 1.0):
@@ -92,9 +93,10 @@ def test_composition_laws():
     assert np.abs(np.asarray(ab) - np.asarray(rope.rotate(x, a - b))).max() > 1e-1
 
 
-def test_rotate_moves_key_to_new_position():
-    """Embedding at p then moving from phases(p) to phases(q) equals embedding at q, with YaRN's
-    attention factor applied once (the move is unit magnitude).
+def test_splice_move_equals_embedding_at_new_position():
+    """The model's embedding at p, moved p -> q by the splice kernel's reference, equals the
+    model's embedding at q, with YaRN's attention factor applied once (the move is unit
+    magnitude).
 
     "Embedding at q" is what the model caches: cos/sin of the fp32 phase q * inv_freq (at
     q ~ 9e4 that phase is itself ~4e-3 rad off the exact one; matching the model, not the exact
@@ -106,7 +108,9 @@ def test_rotate_moves_key_to_new_position():
     p = jnp.asarray([0, 5, 300, 1000, 4000, 90_000])
     q = jnp.asarray([7, 0, 1324, 999, 2976, 91_024])
     at_p = rope.apply_rope(x, p, inv, cfg.rope_scale)
-    moved = rope.move(at_p, rope.phases(p, inv), rope.phases(q, inv))
+    zeros = jnp.zeros((1, 6, 1), jnp.float32)  # the band that moves unrotated: unused here
+    _, moved = splice_rotate_ref(zeros, at_p[None], jnp.arange(6), jnp.arange(6), p, q, inv)
+    moved = moved[0]
     want = rope64_phase(np.asarray(x), np.asarray(rope.phases(q, inv)), cfg.rope_scale)
     # fp32 cos/sin and products on O(1) values: a few 1e-7 relative, bound 1e-5
     np.testing.assert_allclose(moved, want, atol=1e-5 * cfg.rope_scale * float(jnp.abs(x).max()))
