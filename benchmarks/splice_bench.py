@@ -38,7 +38,7 @@ from benchmarks.common import BENCH_HF_CONFIG, measure_copy_bandwidth, median_ti
 from checkpoints.tiny import write_random_checkpoint
 from leyline_jax import kv_state as kv
 from leyline_jax.model import _inv_freq
-from pallas_kernels.splice_rotate import splice_rotate
+from pallas_kernels.splice_rotate import phase_table, splice_rotate
 
 PREFIX, SPAN, STUB, PAGE = 1024, 64, 16, 16
 
@@ -104,12 +104,16 @@ def time_splice_only(model, downstream: int, repeats: int) -> float:
     src = jnp.asarray(old[i // PAGE] * PAGE + i % PAGE, jnp.int32)
     dst = jnp.asarray(row[j // PAGE] * PAGE + j % PAGE, jnp.int32)
     inv = jnp.asarray(_inv_freq(c))
-    step = jax.jit(functools.partial(splice_rotate, impl="jnp"), donate_argnums=(0, 1))
+    table = phase_table(inv, state.max_seq_len)  # what apply_directive looks rotations up in
+    step = jax.jit(
+        functools.partial(splice_rotate, impl="jnp", k_dtype=state.k_pe_dtype),
+        donate_argnums=(0, 1),
+    )
     box = {"c": cc, "k": kk}
     pos_from, pos_to = jnp.asarray(i, jnp.int32), jnp.asarray(j, jnp.int32)
 
     def run():
-        box["c"], box["k"] = step(box["c"], box["k"], src, dst, pos_from, pos_to, inv)
+        box["c"], box["k"] = step(box["c"], box["k"], src, dst, pos_from, pos_to, inv, table=table)
         return box["k"]
 
     return median_time(run, repeats=repeats)

@@ -26,7 +26,7 @@ from leyline_jax import kv_state as kv
 from leyline_jax import paged
 from leyline_jax.kv_state import OutOfPagesError, PagedKVState, SequenceError
 from leyline_jax.model import MLAModel, _inv_freq
-from pallas_kernels.splice_rotate import splice_rotate
+from pallas_kernels.splice_rotate import phase_table, splice_rotate
 
 MIN_MOVE_BUCKET = 16
 
@@ -200,6 +200,7 @@ def _splice_step(
     pos_from,
     pos_to,
     inv_freq,
+    table,
     *,
     impl,
 ):
@@ -207,7 +208,9 @@ def _splice_step(
     layers, pages, ps = state.num_layers, state.num_pages, state.page_size
     c = state.c_kv.reshape(layers, pages * ps, -1)
     k = state.k_pe.reshape(layers, pages * ps, -1)
-    c, k = splice_rotate(c, k, src, dst, pos_from, pos_to, inv_freq, impl=impl)
+    c, k = splice_rotate(
+        c, k, src, dst, pos_from, pos_to, inv_freq, k_dtype=state.k_pe_dtype, table=table, impl=impl
+    )
     refcount = state.refcount.at[fresh].add(1, mode="drop").at[released].add(-1, mode="drop")
     return dataclasses.replace(
         state,
@@ -254,6 +257,17 @@ def _truncate_step(state: PagedKVState, seq, length, released):
     )
 
 
+def _uses_jnp(impl) -> bool:
+    return impl == "jnp" or (impl is None and jax.default_backend() != "tpu")
+
+
+@functools.lru_cache(maxsize=8)
+def _phases(config, length: int) -> jax.Array:
+    """cos/sin of the model's fp32 RoPE phases at positions [0, length), kept on device (like
+    a serving stack's cos/sin cache): the jnp splice looks moved rows' rotations up here."""
+    return jax.jit(phase_table, static_argnums=1)(jnp.asarray(_inv_freq(config)), length)
+
+
 def _fill(model: MLAModel, state: PagedKVState, seq: int, start: int, tokens: Sequence[int]):
     t = paged.bucket(len(tokens), paged.MIN_TOKEN_BUCKET)
     end = start + len(tokens)
@@ -296,6 +310,7 @@ def _splice(model, state, seq, meta, tokens, directives, impl):
         _pad(plan.pos_from, m, 0),
         _pad(plan.pos_to, m, 0),
         jnp.asarray(_inv_freq(model.config)),
+        _phases(model.config, state.max_seq_len) if _uses_jnp(impl) else None,
         impl=impl,
     )
     for start, rep in plan.fills:

@@ -10,6 +10,12 @@ Sharing. Pages carry reference counts; a page is free when its count is 0. `fork
 every page of a sequence; a page referenced more than once is never written: appending to a
 sequence whose partial last page is shared first copies that page (copy on write).
 
+Storage. A 16-bit float band (bf16 `c_kv` by default) is stored as its raw bits (uint16) and
+viewed as floats only where rows are read (`decode`): XLA:CPU runs a float-16 scatter by
+converting the whole pool to f32 and back (two full-pool passes for every write), and a
+bitcast of the pool costs the same; an integer pool is scattered in place. `kv_dtype` /
+`k_pe_dtype` on the state say what the stored bits mean.
+
 Every operation here is a pure jnp function `state -> state` (jit-compatible, no host sync).
 They assume valid arguments: the public wrappers (`leyline_jax.paged`) check on the host first,
 so an error is raised before anything changes.
@@ -24,7 +30,27 @@ import jax.numpy as jnp
 import numpy as np
 
 from leyline_jax.config import MLAConfig
-from pallas_kernels.splice_rotate import as_bits
+
+
+def storage_dtype(dtype):
+    """What a band of `dtype` is stored as: its raw bits for 16-bit floats, else itself."""
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 2:
+        return jnp.dtype(jnp.uint16)
+    return dtype
+
+
+def encode(x, dtype):
+    """Values -> storage: cast to `dtype`, then to its storage bits (bit-exact)."""
+    x = x.astype(dtype)
+    st = storage_dtype(dtype)
+    return x if st == x.dtype else jax.lax.bitcast_convert_type(x, st)
+
+
+def decode(x, dtype):
+    """Storage -> values of `dtype` (bit-exact; apply to gathered rows, not to a pool)."""
+    dtype = jnp.dtype(dtype)
+    return x if x.dtype == dtype else jax.lax.bitcast_convert_type(x, dtype)
 
 
 class OutOfPagesError(RuntimeError):
@@ -38,8 +64,8 @@ class SequenceError(ValueError):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PagedKVState:
-    c_kv: jax.Array  # [L, P, page_size, R]   latent, kv_dtype
-    k_pe: jax.Array  # [L, P, page_size, Dr]  rope band (halves layout), k_pe_dtype
+    c_kv: jax.Array  # [L, P, page_size, R]   latent, storage_dtype(kv_dtype)
+    k_pe: jax.Array  # [L, P, page_size, Dr]  rope band (halves layout), storage_dtype(k_pe_dtype)
     page_table: jax.Array  # i32[max_seqs, max_pages]; unused entries = P
     lengths: jax.Array  # i32[max_seqs] tokens cached per sequence
     positions: jax.Array  # i32[max_seqs] position of each sequence's next token
@@ -47,6 +73,8 @@ class PagedKVState:
     active: jax.Array  # bool[max_seqs] open sequences
     refcount: jax.Array  # i32[P] references to each page; 0 = free
     page_size: int = dataclasses.field(metadata=dict(static=True))
+    kv_dtype: jnp.dtype = dataclasses.field(metadata=dict(static=True))  # what c_kv's bits mean
+    k_pe_dtype: jnp.dtype = dataclasses.field(metadata=dict(static=True))
 
     @property
     def num_pages(self) -> int:
@@ -94,11 +122,19 @@ def init_state(
     if max_seq_len is None:
         max_seq_len = min(num_pages * page_size, config.max_position_embeddings)
     max_pages = -(-max_seq_len // page_size)
-    k_pe_dtype = jnp.float32 if k_pe_dtype is None else k_pe_dtype
+    kv_dtype = jnp.dtype(kv_dtype)
+    k_pe_dtype = jnp.dtype(jnp.float32 if k_pe_dtype is None else k_pe_dtype)
+    for name, dt in (("kv_dtype", kv_dtype), ("k_pe_dtype", k_pe_dtype)):
+        if not jnp.issubdtype(dt, jnp.floating):
+            raise ValueError(f"{name} must be a floating dtype, got {dt}")
     layers = config.num_hidden_layers
     return PagedKVState(
-        c_kv=jnp.zeros((layers, num_pages, page_size, config.kv_lora_rank), kv_dtype),
-        k_pe=jnp.zeros((layers, num_pages, page_size, config.qk_rope_head_dim), k_pe_dtype),
+        c_kv=jnp.zeros(
+            (layers, num_pages, page_size, config.kv_lora_rank), storage_dtype(kv_dtype)
+        ),
+        k_pe=jnp.zeros(
+            (layers, num_pages, page_size, config.qk_rope_head_dim), storage_dtype(k_pe_dtype)
+        ),
         page_table=jnp.full((max_seqs, max_pages), num_pages, jnp.int32),
         lengths=jnp.zeros((max_seqs,), jnp.int32),
         positions=jnp.zeros((max_seqs,), jnp.int32),
@@ -106,6 +142,8 @@ def init_state(
         active=jnp.zeros((max_seqs,), bool),
         refcount=jnp.zeros((num_pages,), jnp.int32),
         page_size=page_size,
+        kv_dtype=kv_dtype,
+        k_pe_dtype=k_pe_dtype,
     )
 
 
@@ -232,13 +270,14 @@ def write_kv(
     ps = state.page_size
     page, off = slots // ps, slots % ps
 
-    def put(pool, rows):  # scatter on an unsigned view: bit-identical, and XLA:CPU scatters
-        view, new = as_bits(pool), as_bits(rows.astype(pool.dtype))  # bf16 element by element
-        return jax.lax.bitcast_convert_type(
-            view.at[layer, page, off].set(new, mode="drop"), pool.dtype
-        )
+    def put(pool, rows, dtype):  # in place on the storage pool (see the module docstring)
+        return pool.at[layer, page, off].set(encode(rows, dtype), mode="drop")
 
-    return dataclasses.replace(state, c_kv=put(state.c_kv, c_kv), k_pe=put(state.k_pe, k_pe))
+    return dataclasses.replace(
+        state,
+        c_kv=put(state.c_kv, c_kv, state.kv_dtype),
+        k_pe=put(state.k_pe, k_pe, state.k_pe_dtype),
+    )
 
 
 def gather_kv(
@@ -247,10 +286,11 @@ def gather_kv(
     pages: jax.Array,  # i32[..., W] page ids (P = none)
     valid: jax.Array,  # bool[..., W * page_size] slots that hold tokens
 ) -> tuple[jax.Array, jax.Array]:  # [..., W * page_size, R], [..., W * page_size, Dr]
-    """Read one layer's latent and rope band for a run of pages. Slots that are not valid come
-    back as zeros, whatever the pool holds there (unused pages may hold anything, even NaN)."""
-    c = state.c_kv[layer].at[pages].get(mode="fill", fill_value=0)  # [..., W, ps, R]
-    k = state.k_pe[layer].at[pages].get(mode="fill", fill_value=0)
+    """Read one layer's latent and rope band (as kv_dtype / k_pe_dtype) for a run of pages.
+    Slots that are not valid come back as zeros, whatever the pool holds there (unused pages
+    may hold anything, even NaN)."""
+    c = decode(state.c_kv[layer].at[pages].get(mode="fill", fill_value=0), state.kv_dtype)
+    k = decode(state.k_pe[layer].at[pages].get(mode="fill", fill_value=0), state.k_pe_dtype)
     c = c.reshape(*pages.shape[:-1], -1, c.shape[-1])
     k = k.reshape(*pages.shape[:-1], -1, k.shape[-1])
     return jnp.where(valid[..., None], c, 0), jnp.where(valid[..., None], k, 0)

@@ -36,7 +36,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-DEFAULT_BLOCK = 8
+DEFAULT_BLOCK = 8  # moves per kernel grid step
+REF_BLOCK = 1024  # moves per loop step of the jnp path
 
 
 # ---- validators -----------------------------------------------------------------------------
@@ -73,35 +74,91 @@ def validate_dynamic(c, src, dst) -> None:
 
 
 # ---- reference ------------------------------------------------------------------------------
-def _rotation(pos_from, pos_to, inv_freq):
+def phase_table(inv_freq, length: int):
+    """f32[length, D] = [cos | sin] of the fp32 phases p * inv_freq for p < length: what a
+    model's RoPE computes at each position, looked up instead of recomputed per moved row
+    (XLA:CPU spends ~4 ns per sin/cos; a splice of n rows needs 4 n D/2 of them)."""
+    th = jnp.arange(length, dtype=jnp.float32)[:, None] * inv_freq.astype(jnp.float32)
+    return jnp.concatenate([jnp.cos(th), jnp.sin(th)], axis=-1)
+
+
+def _rotation(pos_from, pos_to, inv_freq, table=None):
     """cos, sin f32[M, D/2] of the rotation taking phase pos_from*inv to pos_to*inv."""
-    inv = inv_freq.astype(jnp.float32)
-    a = pos_from.astype(jnp.float32)[:, None] * inv
-    b = pos_to.astype(jnp.float32)[:, None] * inv
-    ca, sa, cb, sb = jnp.cos(a), jnp.sin(a), jnp.cos(b), jnp.sin(b)
+    if table is None:
+        inv = inv_freq.astype(jnp.float32)
+        a = pos_from.astype(jnp.float32)[:, None] * inv
+        b = pos_to.astype(jnp.float32)[:, None] * inv
+        ca, sa, cb, sb = jnp.cos(a), jnp.sin(a), jnp.cos(b), jnp.sin(b)
+    else:
+        h = table.shape[1] // 2
+        a = table.at[pos_from].get(mode="clip")
+        b = table.at[pos_to].get(mode="clip")
+        ca, sa, cb, sb = a[:, :h], a[:, h:], b[:, :h], b[:, h:]
     return cb * ca + sb * sa, sb * ca - cb * sa
 
 
 def as_bits(x):
-    """Same-width unsigned view, for bit-exact moves: XLA:CPU also scatters integers far faster
-    than bf16 (measured ~60x on 2048 rows of 512)."""
+    """Same-width unsigned view (bit-exact)."""
     return jax.lax.bitcast_convert_type(
         x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[jnp.dtype(x.dtype).itemsize]
     )
 
 
-def splice_rotate_ref(c, k, src, dst, pos_from, pos_to, inv_freq):
-    """Plain jnp: c [L, S, Dc], k [L, S, Dk], src/dst/pos_from/pos_to i32[M], inv_freq
-    f32[Dk/2] -> (c, k) with the destination rows written."""
-    cos, sin = _rotation(pos_from, pos_to, inv_freq)
-    h = k.shape[2] // 2
-    x = k[:, src].astype(jnp.float32)  # [L, M, Dk]
+def _rotate_rows(x, cos, sin, k_dtype, store_dtype):
+    """Stored rows [..., M, Dk] -> rotated stored rows (math in fp32, cast to k_dtype)."""
+    x = jax.lax.bitcast_convert_type(x, k_dtype) if x.dtype != k_dtype else x
+    x = x.astype(jnp.float32)
+    h = x.shape[-1] // 2
     x1, x2 = x[..., :h], x[..., h:]
-    y = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(k.dtype)
-    cb, kb = as_bits(c), as_bits(k)
-    cb = cb.at[:, dst].set(cb[:, src], mode="drop")
-    kb = kb.at[:, dst].set(as_bits(y), mode="drop")
-    return (jax.lax.bitcast_convert_type(cb, c.dtype), jax.lax.bitcast_convert_type(kb, k.dtype))
+    y = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(k_dtype)
+    return jax.lax.bitcast_convert_type(y, store_dtype) if store_dtype != k_dtype else y
+
+
+def splice_rotate_ref(
+    c, k, src, dst, pos_from, pos_to, inv_freq, *, k_dtype=None, table=None, block=REF_BLOCK
+):
+    """Plain jnp: c [L, S, Dc], k [L, S, Dk], src/dst/pos_from/pos_to i32[M], inv_freq
+    f32[Dk/2] -> (c, k) with the destination rows written.
+
+    `k_dtype`: the float type `k`'s elements mean when `k` holds raw bits (default: k.dtype).
+    `table`: `phase_table(inv_freq, n)` covering every position, to look cos/sin up instead
+    of computing them (same fp32 phases, so the same values on one backend). Moves run in a
+    loop over blocks of `block` rows, each an in-place gather + scatter on the pools, so no
+    pool-sized temporary is made whatever M is."""
+    k_dtype = jnp.dtype(k.dtype if k_dtype is None else k_dtype)
+    c_type, k_type = c.dtype, k.dtype
+    c, k = _bits16(c), _bits16(k)  # float-16 pools move as bits (see `_bits16`)
+    m = src.shape[0]
+    block = min(block, max(m, 1))
+    mp = -(-m // block) * block
+    slots = c.shape[1]
+    src = jnp.pad(src.astype(jnp.int32), (0, mp - m))
+    dst = jnp.pad(dst.astype(jnp.int32), (0, mp - m), constant_values=slots)
+    pos_from = jnp.pad(pos_from.astype(jnp.int32), (0, mp - m))
+    pos_to = jnp.pad(pos_to.astype(jnp.int32), (0, mp - m))
+
+    def body(b, pools):
+        c, k = pools
+        s, d, pf, pt = (
+            jax.lax.dynamic_slice_in_dim(a, b * block, block) for a in (src, dst, pos_from, pos_to)
+        )
+        cos, sin = _rotation(pf, pt, inv_freq, table)
+        y = _rotate_rows(k.at[:, s].get(mode="clip"), cos, sin, k_dtype, k.dtype)
+        c = c.at[:, d].set(c.at[:, s].get(mode="clip"), mode="drop")
+        k = k.at[:, d].set(y, mode="drop")
+        return c, k
+
+    c, k = jax.lax.fori_loop(0, mp // block, body, (c, k))
+    return jax.lax.bitcast_convert_type(c, c_type), jax.lax.bitcast_convert_type(k, k_type)
+
+
+def _bits16(x):
+    """A 16-bit float array as uint16 bits, anything else as is. XLA:CPU scatters a float-16
+    array by converting all of it to f32 and back; callers that care (the paged state) store
+    16-bit bands as bits already, so this view only costs callers passing floats."""
+    if jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype).itemsize == 2:
+        return as_bits(x)
+    return x
 
 
 # ---- Pallas TPU kernel ----------------------------------------------------------------------
@@ -120,6 +177,7 @@ def _kernel(
     *,
     block: int,
     slots: int,
+    k_dtype,
 ):
     del c_in, k_in  # aliased with c_out, k_out: read and write through the outputs
     layer, b = pl.program_id(0), pl.program_id(1)
@@ -157,27 +215,38 @@ def _kernel(
     each(lambda j: c_copy(j).wait(), lambda j: k_read(j).wait())
 
     # rotate the block's k rows in fp32 (padding rows hold garbage and are not written back)
-    h = k_buf.shape[1] // 2
-    inv = inv_ref[...].astype(jnp.float32)  # [1, h]
-    a = pf_ref[...].astype(jnp.float32) * inv  # [block, h]
+    inv = inv_ref[...].astype(jnp.float32)  # [1, D/2]
+    a = pf_ref[...].astype(jnp.float32) * inv  # [block, D/2]
     bb = pt_ref[...].astype(jnp.float32) * inv
     ca, sa, cb, sb = jnp.cos(a), jnp.sin(a), jnp.cos(bb), jnp.sin(bb)
     cos, sin = cb * ca + sb * sa, sb * ca - cb * sa
-    x = k_buf[...].astype(jnp.float32)
-    x1, x2 = x[:, :h], x[:, h:]
-    k_buf[...] = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(k_buf.dtype)
+    k_buf[...] = _rotate_rows(k_buf[...], cos, sin, k_dtype, k_buf.dtype)
 
     each(lambda j: k_write(j).start())
     each(lambda j: k_write(j).wait())
 
 
-@functools.partial(jax.jit, static_argnames=("block", "interpret"), donate_argnums=(0, 1))
+@functools.partial(
+    jax.jit, static_argnames=("k_dtype", "block", "interpret"), donate_argnums=(0, 1)
+)
 def splice_rotate_kernel(
-    c, k, src, dst, pos_from, pos_to, inv_freq, *, block=DEFAULT_BLOCK, interpret=False
+    c,
+    k,
+    src,
+    dst,
+    pos_from,
+    pos_to,
+    inv_freq,
+    *,
+    k_dtype=None,
+    block=DEFAULT_BLOCK,
+    interpret=False,
 ):
-    """The Pallas TPU kernel; same contract as `splice_rotate_ref`. `c` and `k` are donated and
+    """The Pallas TPU kernel; same contract as `splice_rotate_ref` (cos/sin are computed in
+    the kernel: cheap on the vector unit, so no phase table). `c` and `k` are donated and
     updated in place. `interpret`: False (compiled), True, or a `pltpu.InterpretParams`."""
     validate_static(c, k, src, dst, pos_from, pos_to, inv_freq)
+    k_dtype = jnp.dtype(k.dtype if k_dtype is None else k_dtype)
     layers, slots, _ = c.shape
     m = src.shape[0]
     mp = -(-m // block) * block
@@ -202,7 +271,7 @@ def splice_rotate_kernel(
         scratch_shapes=[pltpu.VMEM((block, k.shape[2]), k.dtype), pltpu.SemaphoreType.DMA((3,))],
     )
     return pl.pallas_call(
-        functools.partial(_kernel, block=block, slots=slots),
+        functools.partial(_kernel, block=block, slots=slots, k_dtype=k_dtype),
         grid_spec=grid_spec,
         out_shape=[jax.ShapeDtypeStruct(c.shape, c.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype)],
         # operand indices count the two scalar-prefetch operands first
@@ -212,12 +281,15 @@ def splice_rotate_kernel(
 
 
 # ---- dispatch -------------------------------------------------------------------------------
-def splice_rotate(c, k, src, dst, pos_from, pos_to, inv_freq, *, impl: str | None = None):
+def splice_rotate(
+    c, k, src, dst, pos_from, pos_to, inv_freq, *, k_dtype=None, table=None, impl=None
+):
     """Move + rotate with the implementation for this backend.
 
     impl: None (compiled kernel on TPU, jnp elsewhere), "jnp", "pallas" (compiled kernel),
     "interpret" (kernel under Pallas' generic interpreter), "tpu_interpret" (kernel under the
     TPU-semantics interpreter, which executes the in-place aliasing as hardware would).
+    `k_dtype`: see `splice_rotate_ref`; `table`: a `phase_table`, used by the jnp path.
     """
     if impl is None:
         impl = "pallas" if jax.default_backend() == "tpu" else "jnp"
@@ -232,6 +304,10 @@ def splice_rotate(c, k, src, dst, pos_from, pos_to, inv_freq, *, impl: str | Non
     if not isinstance(src, jax.core.Tracer) and not isinstance(dst, jax.core.Tracer):
         validate_dynamic(c, src, dst)  # concrete indices: check here (under jit the caller does)
     if impl == "jnp":
-        return splice_rotate_ref(c, k, src, dst, pos_from, pos_to, inv_freq)
-    interpret = modes[impl]
-    return splice_rotate_kernel(c, k, src, dst, pos_from, pos_to, inv_freq, interpret=interpret)
+        validate_static(c, k, src, dst, pos_from, pos_to, inv_freq)
+        return splice_rotate_ref(
+            c, k, src, dst, pos_from, pos_to, inv_freq, k_dtype=k_dtype, table=table
+        )
+    return splice_rotate_kernel(
+        c, k, src, dst, pos_from, pos_to, inv_freq, k_dtype=k_dtype, interpret=modes[impl]
+    )

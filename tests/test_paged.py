@@ -5,6 +5,8 @@ fp32 storage and params; tolerance as the parity tests (1e-4 of max|logit|, iden
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +16,7 @@ from conftest import FAMILIES, random_tokens
 from test_parity import assert_logits_match, rel_err
 
 import leyline_jax as ll
+from leyline_jax import kv_state as kv
 from leyline_jax import paged
 
 PROMPTS = (200, 150, 77)  # three interleaved sequences; none is a multiple of 16 or 7
@@ -127,19 +130,23 @@ def test_fork_shares_pages_and_diverges_safely(np_ckpt):
     assert (rc[pt[1, :2]] == 1).all() and rc.sum() == 3  # seq 1: 2 shared-then-own + its copy
 
 
-def test_unused_pages_are_never_read(np_ckpt):
-    """Pages no sequence holds are poisoned with NaN: logits stay finite and unchanged."""
+@pytest.mark.parametrize("kv_dtype", [jnp.float32, jnp.bfloat16])
+def test_unused_pages_are_never_read(np_ckpt, kv_dtype):
+    """Pages no sequence holds are poisoned with NaN: logits stay finite and unchanged (a bf16
+    pool is stored as bits: the poison is NaN's bit pattern)."""
     model = ll.load_model(np_ckpt("deepseek_v3"))
     prompt = random_tokens(50, seed=3)
 
     def run(poison: bool):
         state = ll.init_state(
-            model.config, num_pages=12, page_size=8, max_seqs=2, kv_dtype=jnp.float32
+            model.config, num_pages=12, page_size=8, max_seqs=2, kv_dtype=kv_dtype
         )
         if poison:
-            state = state.__class__(
-                **{**state.__dict__, "c_kv": state.c_kv + jnp.nan, "k_pe": state.k_pe + jnp.nan}
-            )
+            nan = {
+                name: kv.encode(jnp.full(getattr(state, name).shape, jnp.nan), dt)
+                for name, dt in (("c_kv", state.kv_dtype), ("k_pe", state.k_pe_dtype))
+            }
+            state = dataclasses.replace(state, **nan)
         state, a = ll.prefill(model, state, 0, prompt)
         state, b = ll.decode(model, state, [0], [3])
         return np.asarray(a), np.asarray(b)

@@ -23,6 +23,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels.splice_rotate import (
+    as_bits,
+    phase_table,
     splice_rotate,
     splice_rotate_kernel,
     splice_rotate_ref,
@@ -53,10 +55,12 @@ def inv_freq(d: int, base: float = 10000.0) -> jnp.ndarray:
 class SpliceRotateRefTest:
     IMPL = "jnp"
 
-    def run(self, c, k, src, dst, pos_from, pos_to, inv):
+    def run(self, c, k, src, dst, pos_from, pos_to, inv, **kw):
         args = [jnp.asarray(a, jnp.int32) for a in (src, dst, pos_from, pos_to)]
         # copies: the kernel path donates its pool arrays
-        out = splice_rotate(jnp.array(c), jnp.array(k), *args, jnp.asarray(inv), impl=self.IMPL)
+        out = splice_rotate(
+            jnp.array(c), jnp.array(k), *args, jnp.asarray(inv), impl=self.IMPL, **kw
+        )
         return [np.asarray(x) for x in out]
 
     def test_hand_worked_quarter_turn(self):
@@ -71,7 +75,8 @@ class SpliceRotateRefTest:
         np.testing.assert_allclose(out_k[0, 3], [5.0, -3.0], atol=1e-6)
 
     @pytest.mark.parametrize("k_dtype, rel", [(jnp.float32, 2e-6), (jnp.bfloat16, 4e-3)])
-    def test_deltas_and_long_positions(self, k_dtype, rel):
+    @pytest.mark.parametrize("table", [False, True], ids=["trig", "table"])
+    def test_deltas_and_long_positions(self, k_dtype, rel, table):
         """Δ in {0, ±1, ±(page-1), ±page, ±(page+1), ±1024}, positions up to 100k."""
         rng = np.random.default_rng(0)
         layers, slots, r, d = 2, 64 * PAGE, 24, 16
@@ -89,7 +94,8 @@ class SpliceRotateRefTest:
         c = rng.standard_normal((layers, slots, r)).astype(np.float32)
         k = jnp.asarray(rng.standard_normal((layers, slots, d)), k_dtype)
         inv = inv_freq(d)
-        out_c, out_k = self.run(c, k, src, dst, pos_from, pos_to, inv)
+        kw = dict(table=phase_table(inv, 100_001)) if table else {}
+        out_c, out_k = self.run(c, k, src, dst, pos_from, pos_to, inv, **kw)
         np.testing.assert_array_equal(out_c[:, dst], c[:, src])  # moved bit-exact
         want = rotate64(np.asarray(k, np.float32)[:, src], pos_from, pos_to, inv)
         err = np.abs(out_k[:, dst].astype(np.float64) - want).max(-1)
@@ -103,6 +109,23 @@ class SpliceRotateRefTest:
             rtol=rel,
             atol=rel,
         )
+
+    def test_pools_stored_as_bits(self):
+        """A bf16 band stored as raw uint16 bits (how the paged state keeps it) with k_dtype
+        naming what the bits mean gives bit for bit the result of the typed bf16 band."""
+        rng = np.random.default_rng(4)
+        c = jnp.asarray(rng.standard_normal((2, 4 * PAGE, 8)), jnp.bfloat16)
+        k = jnp.asarray(rng.standard_normal((2, 4 * PAGE, 6)), jnp.bfloat16)
+        src, dst = np.arange(5, 25), np.arange(40, 60)
+        pos_from, pos_to = np.arange(20) + 900, np.arange(20) + 17
+        typed = self.run(c, k, src, dst, pos_from, pos_to, inv_freq(6))
+        bits = self.run(
+            as_bits(c), as_bits(k), src, dst, pos_from, pos_to, inv_freq(6), k_dtype=jnp.bfloat16
+        )
+        assert bits[0].dtype == np.uint16 and bits[1].dtype == np.uint16
+        np.testing.assert_array_equal(bits[0], typed[0].view(np.uint16))
+        np.testing.assert_array_equal(bits[1], typed[1].view(np.uint16))
+        assert (typed[1][:, dst] != np.asarray(k)[:, src]).any()  # it did rotate
 
     def test_untouched_rows_are_bit_identical_and_poison_is_not_read(self):
         rng = np.random.default_rng(1)
@@ -187,6 +210,38 @@ def test_overlapping_moves_are_rejected_and_would_be_caught():
         interpret=pltpu.InterpretParams(),
     )
     assert np.abs(np.asarray(out[0]) - np.asarray(ref[0])).max() > 0.1
+
+
+def test_ref_block_loop_matches_one_block():
+    """The jnp path moves in a loop of blocks: block sizes that do not divide M (padding in the
+    last block) give bit for bit the one-block result, and it differs from the input there."""
+    rng = np.random.default_rng(5)
+    c = jnp.asarray(rng.standard_normal((2, 128, 8)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((2, 128, 4)), jnp.float32)
+    src, dst = jnp.arange(0, 45), jnp.arange(60, 105)
+    pf, pt = jnp.arange(45) + 3, jnp.arange(45) + 1000
+    one = splice_rotate_ref(c, k, src, dst, pf, pt, inv_freq(4), block=1024)
+    for block in (1, 7, 16):
+        out = splice_rotate_ref(c, k, src, dst, pf, pt, inv_freq(4), block=block)
+        for a, b in zip(out, one, strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert not np.array_equal(np.asarray(one[1])[:, 60:105], np.asarray(k)[:, 60:105])
+
+
+def test_phase_table_is_the_models_phases():
+    """The looked-up cos/sin are the model's RoPE cos/sin at each position (same fp32 phase,
+    same backend functions), so a table splice and a trig splice agree bit for bit."""
+    from leyline_jax import rope
+
+    inv = inv_freq(8)
+    table = np.asarray(phase_table(inv, 5000))
+    pos = jnp.asarray([0, 1, 17, 4095, 4999])
+    ph = jax.jit(rope.phases)(pos, inv)  # the model's phase, then its cos/sin under jit
+    cos, sin = jax.jit(lambda p: (jnp.cos(p), jnp.sin(p)))(ph)
+    np.testing.assert_array_equal(table[np.asarray(pos)], np.concatenate([cos, sin], -1))
+    # a table one position off would be caught
+    off = table[np.asarray(pos)[:-1] + 1]
+    assert not np.array_equal(off, np.concatenate([cos, sin], -1)[:-1])
 
 
 def test_validators():
