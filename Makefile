@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(PY) -m serve.demo
+	$(PY) -m serve
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -198,6 +198,43 @@ def fork_seq(state: PagedKVState, src, dst) -> PagedKVState:
     )
 
 
+def retain_pages(state: PagedKVState, pages) -> PagedKVState:
+    """Take one more reference to each page in `pages` (i32[K]; P = padding). A holder outside
+    any sequence (a prefix cache) keeps pages alive this way."""
+    return dataclasses.replace(state, refcount=state.refcount.at[pages].add(1, mode="drop"))
+
+
+def release_pages(state: PagedKVState, pages, *, zero: bool = False) -> PagedKVState:
+    """Drop one reference to each page in `pages` (distinct; P = padding). With `zero`, pages
+    nobody references any more are zeroed (a purge: their contents must not survive)."""
+    refcount = state.refcount.at[pages].add(-1, mode="drop")
+    if not zero:
+        return dataclasses.replace(state, refcount=refcount)
+    p = state.num_pages
+    dead = jnp.where(refcount.at[pages].get(mode="fill", fill_value=1) == 0, pages, p)
+    return dataclasses.replace(
+        state,
+        refcount=refcount,
+        c_kv=state.c_kv.at[:, dead].set(0, mode="drop"),
+        k_pe=state.k_pe.at[:, dead].set(0, mode="drop"),
+    )
+
+
+def adopt_prefix(state: PagedKVState, seq, pages, tokens, length) -> PagedKVState:
+    """Open `seq` holding `length` tokens (`tokens` i32[max_seq_len]) whose KV already lives in
+    `pages` (i32[max_pages] page-table row, P = unused): every listed page gains a reference.
+    Pages must be full (length a multiple of page_size), so the sequence never writes them."""
+    return dataclasses.replace(
+        state,
+        refcount=state.refcount.at[pages].add(1, mode="drop"),
+        page_table=state.page_table.at[seq].set(pages),
+        lengths=state.lengths.at[seq].set(length),
+        positions=state.positions.at[seq].set(length),
+        token_ids=state.token_ids.at[seq].set(tokens),
+        active=state.active.at[seq].set(True),
+    )
+
+
 def append_tokens(
     state: PagedKVState,
     seqs: jax.Array,  # i32[B]; padded rows may hold any open sequence id with count 0

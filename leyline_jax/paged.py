@@ -106,10 +106,21 @@ def _fill(model, state, seq, tokens, start, count, width):
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames="width", donate_argnames="state")
-def _prefill_step(graphdef, params, state, seq, tokens, count, *, width):
-    state, _ = kv.append_tokens(state, seq[None], tokens[None], count[None])
-    start = state.lengths[seq] - count
-    return _fill(nnx.merge(graphdef, params), state, seq, tokens, start, count, width)
+def _extend_step(graphdef, params, state, seqs, tokens, counts, *, width):
+    """Append `counts[b]` tokens (of tokens[b], i32[B, T]) to each of `seqs` and run them; each
+    attends to its own sequence. Rows with count 0 are padding. Logits after each row's last."""
+    model = nnx.merge(graphdef, params)
+    state, slots = kv.append_tokens(state, seqs, tokens, counts)
+    after = state.lengths[seqs]
+    positions = (after - counts)[:, None] + jnp.arange(tokens.shape[1])[None]
+    pages = state.page_table[seqs, :width]
+    mask = _attention_mask(state, after, positions, width)
+    absorbed = _absorb(model.config, tokens.shape[1])
+    h, state = _forward_paged(
+        model, state, tokens, positions, slots, pages, mask, absorbed=absorbed
+    )
+    last = h[jnp.arange(tokens.shape[0]), jnp.maximum(counts - 1, 0)]
+    return state, model.logits(last)
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames="width", donate_argnames="state")
@@ -132,6 +143,9 @@ def _decode_step(graphdef, params, state, seqs, tokens, counts, *, width):
 
 
 _open = jax.jit(kv.open_seq, donate_argnums=0)
+_retain = jax.jit(kv.retain_pages, donate_argnums=0)
+_release = jax.jit(kv.release_pages, donate_argnums=0, static_argnames="zero")
+_adopt = jax.jit(kv.adopt_prefix, donate_argnums=0)
 _free = jax.jit(kv.free_seq, donate_argnums=0)
 _fork = jax.jit(kv.fork_seq, donate_argnums=0)
 
@@ -155,6 +169,27 @@ def _check_room(state: PagedKVState, seq: int, length: int, count: int) -> None:
             f"sequence {seq} would hold {length + count} tokens, more than max_seq_len="
             f"{state.max_seq_len}"
         )
+
+
+def _check_appends(state: PagedKVState, seqs: list, counts: list):
+    """Host checks for appending counts[i] tokens to open, distinct seqs[i]; returns the meta."""
+    if len(set(seqs)) != len(seqs):
+        raise SequenceError(f"a sequence appears twice in one step: {seqs}")
+    meta = kv.host_meta(state)
+    need = 0
+    for s, n in zip(seqs, counts, strict=True):
+        kv.check_seq(meta, state, s, must_be_open=True)
+        length = int(meta["lengths"][s])
+        _check_room(state, s, length, n)
+        need += int(
+            kv.pages_needed(length, n, _last_page_shared(meta, state, s), state.page_size)[0]
+        )
+    if need > _free_pages(meta):
+        raise OutOfPagesError(
+            f"appending to {len(seqs)} sequences needs {need} pages; {_free_pages(meta)} of "
+            f"{state.num_pages} are free"
+        )
+    return meta
 
 
 # ---- public API -----------------------------------------------------------------------------
@@ -190,46 +225,79 @@ def prefill(
         padded[: len(chunk)] = chunk
         end = length + a + len(chunk)
         width = bucket(-(-end // state.page_size), maximum=state.max_pages_per_seq)
-        state, logits = _prefill_step(
+        state, logits = _extend_step(
             graphdef,
             params,
             state,
-            jnp.int32(seq),
-            jnp.asarray(padded),
-            jnp.int32(len(chunk)),
+            jnp.asarray([seq], jnp.int32),
+            jnp.asarray(padded[None]),
+            jnp.asarray([len(chunk)], jnp.int32),
             width=width,
         )
-    return state, logits
+    return state, logits[0]
+
+
+def extend(
+    model: MLAModel,
+    state: PagedKVState,
+    seqs: Sequence[int],
+    tokens: Sequence[Sequence[int]],
+    *,
+    graph=None,
+) -> tuple[PagedKVState, jax.Array]:
+    """Append a block of tokens to each of several open sequences in one batched step (the
+    prefill half of continuous batching). Blocks may differ in length; each is at most
+    `PREFILL_CHUNK` tokens. Returns the new state and float32 logits [len(seqs), vocab] after
+    each block's last token. Raises like `decode`, before the state changes. Donates `state`.
+    `graph`: `nnx.split(model)` made once by a caller that steps often (saves the split)."""
+    seqs = [int(s) for s in seqs]
+    blocks = [np.asarray(check_tokens(t, model.config.vocab_size)) for t in tokens]
+    if len(seqs) != len(blocks) or not seqs:
+        raise ValueError(f"{len(seqs)} sequences but {len(blocks)} token blocks")
+    if any(len(b) == 0 or len(b) > PREFILL_CHUNK for b in blocks):
+        raise ValueError(f"each block needs 1..{PREFILL_CHUNK} tokens")
+    meta = _check_appends(state, seqs, [len(b) for b in blocks])
+    b, t = bucket(len(seqs)), bucket(max(len(x) for x in blocks), MIN_TOKEN_BUCKET)
+    longest = max(int(meta["lengths"][s]) + len(x) for s, x in zip(seqs, blocks, strict=True))
+    width = bucket(-(-longest // state.page_size), maximum=state.max_pages_per_seq)
+    pad_seqs = np.full(b, seqs[0], np.int32)  # padding rows: count 0, they write nothing
+    pad_seqs[: len(seqs)] = seqs
+    pad_toks = np.zeros((b, t), np.int32)
+    counts = np.zeros(b, np.int32)
+    for i, x in enumerate(blocks):
+        pad_toks[i, : len(x)] = x
+        counts[i] = len(x)
+    graphdef, params = nnx.split(model) if graph is None else graph
+    state, logits = _extend_step(
+        graphdef,
+        params,
+        state,
+        jnp.asarray(pad_seqs),
+        jnp.asarray(pad_toks),
+        jnp.asarray(counts),
+        width=width,
+    )
+    return state, logits[: len(seqs)]
 
 
 def decode(
-    model: MLAModel, state: PagedKVState, seqs: Sequence[int], tokens: Sequence[int]
+    model: MLAModel,
+    state: PagedKVState,
+    seqs: Sequence[int],
+    tokens: Sequence[int],
+    *,
+    graph=None,
 ) -> tuple[PagedKVState, jax.Array]:
     """Append one token to each of several open sequences in one batched step.
 
     Returns the new state and float32 logits [len(seqs), vocab]. Sequences must be distinct and
-    open. Raises like `prefill`, before the state changes. Donates `state`.
+    open. Raises like `prefill`, before the state changes. Donates `state`. `graph`: as `extend`.
     """
     seqs = list(seqs)
     toks = np.asarray(check_tokens(tokens, model.config.vocab_size))
     if len(seqs) != len(toks):
         raise ValueError(f"{len(seqs)} sequences but {len(toks)} tokens")
-    if len(set(seqs)) != len(seqs):
-        raise SequenceError(f"a sequence appears twice in one decode step: {seqs}")
-    meta = kv.host_meta(state)
-    need = 0
-    for s in seqs:
-        kv.check_seq(meta, state, s, must_be_open=True)
-        length = int(meta["lengths"][s])
-        _check_room(state, s, length, 1)
-        need += int(
-            kv.pages_needed(length, 1, _last_page_shared(meta, state, s), state.page_size)[0]
-        )
-    if need > _free_pages(meta):
-        raise OutOfPagesError(
-            f"decode of {len(seqs)} sequences needs {need} pages; {_free_pages(meta)} of "
-            f"{state.num_pages} are free"
-        )
+    meta = _check_appends(state, seqs, [1] * len(seqs))
     b = bucket(len(seqs))
     longest = max(int(meta["lengths"][s]) for s in seqs) + 1
     width = bucket(-(-longest // state.page_size), maximum=state.max_pages_per_seq)
@@ -239,7 +307,7 @@ def decode(
     pad_toks = np.zeros(b, np.int32)
     pad_toks[: len(seqs)] = toks
     counts = (np.arange(b) < len(seqs)).astype(np.int32)
-    graphdef, params = nnx.split(model)
+    graphdef, params = nnx.split(model) if graph is None else graph
     state, logits = _decode_step(
         graphdef,
         params,
@@ -269,10 +337,61 @@ def free(state: PagedKVState, seq: int) -> PagedKVState:
     return _free(state, seq)
 
 
+def _page_list(state: PagedKVState, pages) -> np.ndarray:
+    p = np.asarray(pages, np.int64).reshape(-1)
+    if ((p < 0) | (p >= state.num_pages)).any():
+        raise ValueError(f"page ids must be in [0, {state.num_pages})")
+    if len(np.unique(p)) != len(p):
+        raise ValueError("page ids must be distinct")
+    out = np.full(bucket(max(len(p), 1)), state.num_pages, np.int32)
+    out[: len(p)] = p
+    return out
+
+
+def retain(state: PagedKVState, pages) -> PagedKVState:
+    """Take a reference to each of `pages` (pages in use) for a holder outside any sequence,
+    such as a prefix cache. Donates `state`."""
+    p = _page_list(state, pages)
+    rc = np.asarray(state.refcount)
+    if (rc[p[p < state.num_pages]] == 0).any():
+        raise ValueError("only pages in use can be retained")
+    return _retain(state, jnp.asarray(p))
+
+
+def release(state: PagedKVState, pages, *, zero: bool = False) -> PagedKVState:
+    """Drop a reference taken with `retain`; with `zero`, pages left unreferenced are zeroed.
+    Donates `state`."""
+    p = _page_list(state, pages)
+    rc = np.asarray(state.refcount)
+    if (rc[p[p < state.num_pages]] == 0).any():
+        raise ValueError("a page without references cannot be released")
+    return _release(state, jnp.asarray(p), zero=zero)
+
+
+def adopt(state: PagedKVState, seq: int, pages, tokens) -> PagedKVState:
+    """Open `seq` as the `len(tokens)` tokens whose KV is held in the full pages `pages` (a
+    prefix cache hit): the sequence shares those pages and appends after them. Donates
+    `state`."""
+    meta = kv.host_meta(state)
+    seq = kv.check_seq(meta, state, seq, must_be_open=False)
+    if meta["active"][seq]:
+        raise SequenceError(f"sequence {seq} is already open")
+    p = np.asarray(pages, np.int64).reshape(-1)
+    if len(tokens) != len(p) * state.page_size or len(tokens) > state.max_seq_len:
+        raise ValueError("adopted tokens must fill the given pages exactly")
+    if ((p < 0) | (p >= state.num_pages)).any() or (meta["refcount"][p] == 0).any():
+        raise ValueError("adopted pages must be pages in use")
+    row = np.full(state.max_pages_per_seq, state.num_pages, np.int32)
+    row[: len(p)] = p
+    tok = np.zeros(state.max_seq_len, np.int32)
+    tok[: len(tokens)] = tokens
+    return _adopt(state, jnp.int32(seq), jnp.asarray(row), jnp.asarray(tok), jnp.int32(len(tokens)))
+
+
 def compile_counts() -> dict[str, int]:
     """How many shapes each jitted step has compiled (for tests and benchmarks)."""
     return {
-        "prefill": _prefill_step._cache_size(),
+        "extend": _extend_step._cache_size(),
         "decode": _decode_step._cache_size(),
         "fill": _fill_step._cache_size(),
     }
@@ -284,7 +403,11 @@ __all__ = [
     "bucket",
     "compile_counts",
     "decode",
+    "extend",
     "fork",
     "free",
     "prefill",
+    "release",
+    "retain",
+    "adopt",
 ]

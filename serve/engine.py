@@ -1,0 +1,554 @@
+"""The serving engine: sessions, continuous batching, the radix prefix cache, directives in flight.
+
+The imperative shell around the functional core. All device work goes through the core's
+jitted, shape-bucketed steps (`paged.extend` for prefill chunks, `paged.decode`, the directive
+steps, `sample`); everything here is host bookkeeping in plain Python.
+
+One iteration (`Engine.step`):
+  1. admit queued turns, oldest first, while the pool can hold them (see "Pages" below); a turn
+     carrying directives has them applied now: between iterations, never inside a step of
+     that session, while every other session keeps its place;
+  2. one batched prefill step: the next chunk of every admitted turn that still has prompt
+     tokens; a turn whose prompt is done samples its first token;
+  3. one batched decode step for every turn that is generating; sample; finish turns that hit
+     a stop token or their token budget.
+
+Sessions. A session is a conversation: its token list (prompt and generated tokens of every
+turn so far) and, while it holds one, a sequence slot whose KV caches a prefix of that list.
+A turn appends tokens (and may carry directives, in the session's current coordinates) and
+generates. Idle sessions keep their KV until the pool needs it; an offloaded session keeps its
+token list and gets its prefix back from the radix cache (or a prefill) on its next turn.
+
+Lineage. KV that AMORTIZE spliced is not what a fresh prefill of the same tokens gives, so it
+stays with the session (and its KV) that made it: each session tracks `clean`, the length of
+the prefix whose KV a fresh prefill would reproduce, and only that prefix enters the radix
+cache. A FORGET purges the radix path of the session's pre-edit tokens from the first evicted
+token on before the edit runs, and pages nobody references afterwards are zeroed.
+
+Pages. A turn is admitted only when the free pages, less what running turns may still take
+(their remaining prompt and token budget), cover the most it can take. To find room the engine
+evicts radix leaves nobody else uses (least recently used first), then offloads idle sessions
+(least recently used first); failing that the turn waits for running turns to finish. A turn
+that could not fit even in an otherwise empty pool fails alone, with an error saying why.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import time
+from collections.abc import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import leyline_jax as ll
+from leyline_jax import directives as dv
+from leyline_jax import kv_state as kv
+from leyline_jax import paged
+from serve.radix import RadixCache
+
+
+class RequestError(RuntimeError):
+    """A turn that cannot be served (it never fits the pool or the sequence bound)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 16
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    stop_tokens: tuple[int, ...] = ()
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be at least 1")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
+
+
+@jax.jit
+def sample(logits, temperature, top_p, seed, step):
+    """One token per row of f32[B, V] logits: greedy where temperature == 0, else a draw from
+    the top-p nucleus of softmax(logits / temperature). The key depends on (seed, step) only, so
+    a row draws the same token whatever batch it is in."""
+
+    def row(lg, t, p, s, n):
+        key = jax.random.fold_in(jax.random.PRNGKey(s), n)
+        scaled = lg / jnp.maximum(t, 1e-6)
+        order = jnp.argsort(-scaled)
+        probs = jax.nn.softmax(scaled[order])
+        keep = (jnp.cumsum(probs) - probs) < p  # the smallest prefix with mass >= p
+        drawn = order[jax.random.categorical(key, jnp.where(keep, scaled[order], -jnp.inf))]
+        return jnp.where(t > 0, drawn, jnp.argmax(lg)).astype(jnp.int32)
+
+    return jax.vmap(row)(logits, temperature, top_p, seed, step)
+
+
+@dataclasses.dataclass
+class TurnStats:
+    prompt_tokens: int = 0  # the turn's whole prompt: the session's tokens after its edits
+    reused_tokens: int = 0  # ... whose KV was already cached and kept as is
+    spliced_tokens: int = 0  # ... whose KV AMORTIZE moved and rotated
+    prefilled_tokens: int = 0  # ... run through the model in this turn
+    submitted_s: float = 0.0
+    first_token_s: float | None = None
+    finished_s: float | None = None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.submitted_s
+
+    @property
+    def latency_s(self) -> float | None:
+        return None if self.finished_s is None else self.finished_s - self.submitted_s
+
+
+class Request:
+    """One turn of a session: new tokens (and directives) in, generated tokens out."""
+
+    def __init__(self, engine, session, tokens, directives, sampling):
+        self.engine, self.session = engine, session
+        self.new_tokens = [int(t) for t in tokens]
+        self.directives = list(directives)
+        self.sampling = sampling
+        self.status = "queued"  # queued -> prefill -> decode -> done | failed
+        self.output: list[int] = []
+        self.error: Exception | None = None
+        self.stats = TurnStats(submitted_s=time.perf_counter())
+        self.pending: list[int] = []  # prompt tokens not yet in the KV
+        self.fed = 0  # generated tokens whose KV is cached
+
+    @property
+    def finished(self) -> bool:
+        return self.status in ("done", "failed")
+
+    def result(self) -> list[int]:
+        """Run the engine until this turn finishes; its generated tokens (raises its error)."""
+        while not self.finished:
+            self.engine.step()
+        if self.error is not None:
+            raise self.error
+        return list(self.output)
+
+    def stream(self) -> Iterator[int]:
+        """Yield generated tokens as the engine produces them (drives the engine)."""
+        sent = 0
+        while True:
+            while sent < len(self.output):
+                yield self.output[sent]
+                sent += 1
+            if self.finished:
+                if self.error is not None:
+                    raise self.error
+                return
+            self.engine.step()
+
+
+@dataclasses.dataclass(eq=False)
+class Session:
+    id: int
+    tokens: list[int] = dataclasses.field(default_factory=list)  # the conversation so far
+    seq: int | None = None  # sequence slot, while the session holds KV
+    cached: int = 0  # tokens[:cached] are in the KV
+    clean: int = 0  # tokens[:clean] have the KV a fresh prefill would give
+    queue: collections.deque = dataclasses.field(default_factory=collections.deque)
+    active: Request | None = None
+    last_used: float = 0.0
+    closed: bool = False
+
+
+class Engine:
+    def __init__(
+        self,
+        model: ll.MLAModel,
+        *,
+        num_pages: int = 256,
+        page_size: int = 16,
+        max_seqs: int = 16,
+        max_seq_len: int | None = None,
+        kv_dtype=jnp.bfloat16,
+        k_pe_dtype=None,
+        prefill_chunk: int = 256,
+        radix: bool = True,
+    ):
+        if not 1 <= prefill_chunk <= paged.PREFILL_CHUNK:
+            raise ValueError(f"prefill_chunk must be in [1, {paged.PREFILL_CHUNK}]")
+        self.model = model
+        self.graph = nnx.split(model)
+        self.state = ll.init_state(
+            model.config,
+            num_pages=num_pages,
+            page_size=page_size,
+            max_seqs=max_seqs,
+            max_seq_len=max_seq_len,
+            kv_dtype=kv_dtype,
+            k_pe_dtype=k_pe_dtype,
+        )
+        self.page_size = page_size
+        self.prefill_chunk = prefill_chunk
+        self.radix = RadixCache(page_size) if radix else None
+        self.sessions: dict[int, Session] = {}
+        self._ids = itertools.count()
+        self._order = itertools.count()  # submission order of queued turns
+        self._queued: list[tuple[int, Request]] = []
+        self.counters = collections.Counter()  # tokens prefilled / reused / spliced, evictions
+
+    # ---- sessions ---------------------------------------------------------------------------
+    def open_session(self) -> int:
+        sid = next(self._ids)
+        self.sessions[sid] = Session(sid, last_used=time.perf_counter())
+        return sid
+
+    def submit(
+        self,
+        session: int,
+        tokens: Sequence[int],
+        *,
+        directives: Sequence[ll.Directive] = (),
+        sampling: SamplingParams | None = None,
+    ) -> Request:
+        """Queue a turn: apply `directives` (in the session's coordinates when the turn runs),
+        append `tokens`, generate. Token ids are checked now (ValueError); directives when the
+        turn runs (a bad one fails that turn only)."""
+        s = self._session(session)
+        toks = [int(t) for t in tokens]
+        if not toks and not s.tokens:
+            raise ValueError("the first turn of a session needs at least one token")
+        bad = [t for t in toks if not 0 <= t < self.model.config.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside [0, {self.model.config.vocab_size})")
+        req = Request(self, s, toks, directives, sampling or SamplingParams())
+        s.queue.append(req)
+        self._queued.append((next(self._order), req))
+        return req
+
+    def close_session(self, session: int) -> None:
+        """Close a session after its turns finish; its clean prefix stays in the radix cache."""
+        s = self._session(session)
+        if s.active is not None or s.queue:
+            raise ValueError(f"session {session} still has turns in flight")
+        self._offload(s)
+        s.closed = True
+        del self.sessions[session]
+
+    def _session(self, session: int) -> Session:
+        s = self.sessions.get(session)
+        if s is None:
+            raise KeyError(f"unknown or closed session {session}")
+        return s
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def idle(self) -> bool:
+        return not self._queued and not any(s.active for s in self.sessions.values())
+
+    def run_until_idle(self, max_steps: int = 1_000_000) -> None:
+        for _ in range(max_steps):
+            if self.idle():
+                return
+            self.step()
+        raise RuntimeError("the engine did not go idle")
+
+    def step(self) -> None:
+        """One iteration: admissions (and their directives), one prefill batch, one decode
+        batch."""
+        self._admit()
+        self._prefill_batch()
+        self._decode_batch()
+
+    # ---- admission ----------------------------------------------------------------------------
+    def _meta(self):
+        return kv.host_meta(self.state)
+
+    def _running(self) -> list[Request]:
+        return [s.active for s in self.sessions.values() if s.active is not None]
+
+    def _still_needs(self, req: Request, meta) -> int:
+        """Pages a running turn may still take: its remaining prompt and token budget."""
+        s, ps = req.session, self.page_size
+        n = int(meta["lengths"][s.seq])
+        final = n + len(req.pending) + req.sampling.max_new_tokens - req.fed
+        shared = n % ps and meta["refcount"][meta["page_table"][s.seq, (n - 1) // ps]] > 1
+        return -(-final // ps) - (-(-n // ps)) + int(bool(shared))
+
+    def _available(self, meta) -> int:
+        free = int((meta["refcount"] == 0).sum())
+        return free - sum(self._still_needs(r, meta) for r in self._running())
+
+    def _admit(self) -> None:
+        self._queued.sort(key=lambda x: x[0])
+        for order, req in list(self._queued):
+            s = req.session
+            if s.active is not None or s.queue[0] is not req:
+                continue  # a session runs its turns one at a time, in order
+            outcome = self._try_admit(req)
+            if outcome == "wait":
+                break  # first come, first served: later turns wait behind this one
+            self._queued.remove((order, req))
+            s.queue.popleft()
+
+    def _plan(self, req: Request):
+        """Validate the turn against its session now; returns (directives, tokens after them)."""
+        s = req.session
+        ds = dv.validate(req.directives, len(s.tokens), self.model.config.vocab_size)
+        after = dv.apply_to_list(s.tokens, ds)
+        if not after and not req.new_tokens:
+            raise dv.DirectiveError("the edit would leave the session empty")
+        return ds, after
+
+    def _need(self, req: Request, ds, after, meta) -> tuple[int, int]:
+        """(pages the turn may take at most, pages the session keeps whatever happens)."""
+        s, ps = req.session, self.page_size
+        final = len(after) + len(req.new_tokens) + req.sampling.max_new_tokens
+        if s.seq is None:
+            return -(-final // ps) + 1, 0
+        n = int(meta["lengths"][s.seq])
+        keep = (ds[0].start // ps) if ds else -(-n // ps)
+        return -(-final // ps) - keep + 1, keep
+
+    def _try_admit(self, req: Request) -> str:
+        s = req.session
+        try:
+            ds, after = self._plan(req)
+        except dv.DirectiveError as e:
+            return self._fail(req, e)
+        final = len(after) + len(req.new_tokens) + req.sampling.max_new_tokens
+        if final > self.state.max_seq_len:
+            return self._fail(
+                req,
+                RequestError(
+                    f"the turn would make session {s.id} {final} tokens long (prompt and "
+                    f"max_new_tokens), more than max_seq_len={self.state.max_seq_len}"
+                ),
+            )
+        meta = self._meta()
+        need, keep = self._need(req, ds, after, meta)
+        if need > self.state.num_pages - keep:
+            return self._fail(
+                req,
+                RequestError(
+                    f"the turn needs up to {need} pages of {self.page_size} tokens; the pool "
+                    f"has {self.state.num_pages} ({keep} held by the session itself)"
+                ),
+            )
+        if not self._make_room(need, s, meta):
+            return "wait"
+        fresh = s.seq is None
+        if fresh and not self._take_slot(s):
+            return "wait"
+        try:
+            self._start(req, ds, after, fresh)
+        except ll.OutOfPagesError:  # the accounting above is an upper bound: not expected
+            s.active, req.status = None, "queued"
+            return "wait"
+        return "admitted"
+
+    def _make_room(self, need: int, for_session: Session, meta) -> bool:
+        """Evict radix leaves, then offload idle sessions, until `need` pages are available."""
+        while self._available(meta) < need:
+            if self.radix is not None:
+                pages = self.radix.evict(need - self._available(meta), meta["refcount"])
+                if pages:
+                    self.state = paged.release(self.state, pages)
+                    self.counters["radix_evicted_pages"] += len(pages)
+                    meta = self._meta()
+                    continue
+            victim = self._idle_victim(exclude=for_session)
+            if victim is None:
+                return False
+            self._offload(victim)
+            meta = self._meta()
+        return True
+
+    def _idle_victim(self, exclude: Session) -> Session | None:
+        idle = [
+            s
+            for s in self.sessions.values()
+            if s is not exclude and s.seq is not None and s.active is None
+        ]
+        return min(idle, key=lambda s: s.last_used) if idle else None
+
+    def _take_slot(self, s: Session) -> bool:
+        used = {x.seq for x in self.sessions.values() if x.seq is not None}
+        free = [i for i in range(self.state.max_seqs) if i not in used]
+        if not free:
+            victim = self._idle_victim(exclude=s)
+            if victim is None:
+                return False
+            free = [self._offload(victim)]
+        s.seq = free[0]
+        self.state = paged.adopt(self.state, s.seq, [], [])  # open, empty
+        return True
+
+    def _offload(self, s: Session) -> int | None:
+        """Give up a session's KV (its clean prefix stays in the radix cache); returns the
+        sequence slot it held."""
+        seq = s.seq
+        if seq is None:
+            return None
+        self._cache_prefix(s)
+        self.state = paged.free(self.state, seq)
+        s.seq, s.cached, s.clean = None, 0, 0
+        self.counters["offloads"] += 1
+        return seq
+
+    def _cache_prefix(self, s: Session) -> None:
+        if self.radix is None or s.seq is None:
+            return
+        ps = self.page_size
+        n = min(s.clean, s.cached) // ps
+        if n == 0:
+            return
+        row = np.asarray(self.state.page_table[s.seq, :n])
+        taken = self.radix.insert(s.tokens[: n * ps], [int(p) for p in row])
+        if taken:
+            self.state = paged.retain(self.state, taken)
+
+    def _fail(self, req: Request, error: Exception) -> str:
+        req.status, req.error = "failed", error
+        req.stats.finished_s = time.perf_counter()
+        self.counters["failed_turns"] += 1
+        return "failed"
+
+    def _start(self, req: Request, ds, after, fresh: bool) -> None:
+        """Apply the turn's directives and set up its prompt (the turn is admitted). `fresh`:
+        the session has just been given an empty sequence slot."""
+        s, st = req.session, req.stats
+        s.active, s.last_used = req, time.perf_counter()
+        st.prompt_tokens = len(after) + len(req.new_tokens)
+        if not fresh and ds:
+            self._feed_unfed(s)
+            self._apply(s, ds, st)
+            s.tokens = after + req.new_tokens
+            req.pending = list(req.new_tokens)
+        elif not fresh:
+            st.reused_tokens = s.cached
+            req.pending = s.tokens[s.cached :] + req.new_tokens
+            s.tokens = s.tokens + req.new_tokens
+        else:  # a fresh sequence: the longest clean prefix from the radix cache
+            s.tokens = after + req.new_tokens
+            pages, hit = [], 0
+            if self.radix is not None:
+                pages, hit = self.radix.match(s.tokens, max_tokens=len(s.tokens) - 1)
+            if hit:  # the slot is open and empty: reopen it holding the cached pages
+                self.state = paged.free(self.state, s.seq)
+                self.state = paged.adopt(self.state, s.seq, pages, s.tokens[:hit])
+            s.cached = s.clean = hit
+            st.reused_tokens = hit
+            req.pending = s.tokens[hit:]
+        st.prefilled_tokens += len(req.pending)
+        st.spliced_tokens = st.prompt_tokens - st.reused_tokens - st.prefilled_tokens
+        if not req.pending:  # nothing to prefill (cannot happen: a turn prefills >= 1 token)
+            raise AssertionError("a turn with an empty prompt")
+        req.status = "prefill"
+        self.counters["reused"] += st.reused_tokens
+        self.counters["spliced"] += st.spliced_tokens
+
+    def _feed_unfed(self, s: Session) -> None:
+        """Bring the KV up to the session's token list (the last generated token of the
+        previous turn is known but not yet cached) so directives address cached tokens."""
+        rest = s.tokens[s.cached :]
+        for a in range(0, len(rest), self.prefill_chunk):
+            block = rest[a : a + self.prefill_chunk]
+            self.state, _ = paged.extend(self.model, self.state, [s.seq], [block], graph=self.graph)
+        if s.clean == s.cached:
+            s.clean = len(s.tokens)
+        s.cached = len(s.tokens)
+
+    def _apply(self, s: Session, ds, st: TurnStats) -> None:
+        """Apply a validated directive batch to a session holding KV; update its counters."""
+        forget = [d for d in ds if d.mode is ll.Mode.FORGET]
+        if forget and self.radix is not None:
+            pages = self.radix.purge(s.tokens, forget[0].start)
+            if pages:
+                self.state = paged.release(self.state, pages, zero=True)
+        self.state = ll.apply_directives(self.model, self.state, s.seq, ds)
+        cut = forget[0].start if forget else len(s.tokens)
+        spliced = [d for d in ds if d.end <= cut and d.mode is ll.Mode.AMORTIZE]
+        cut_new = cut + sum(d.delta for d in spliced)
+        new_len = len(dv.apply_to_list(s.tokens, ds))
+        st.reused_tokens = ds[0].start
+        st.prefilled_tokens = sum(len(d.replacement) for d in spliced) + (new_len - cut_new)
+        if spliced:
+            s.clean = min(s.clean, spliced[0].start)
+        elif s.clean >= cut:  # FORGET alone re-prefills after a clean prefix: all clean
+            s.clean = new_len
+        s.cached = new_len
+
+    # ---- device steps -------------------------------------------------------------------------
+    def _prefill_batch(self) -> None:
+        rows = [r for r in self._running() if r.status == "prefill"]
+        if not rows:
+            return
+        blocks = [r.pending[: self.prefill_chunk] for r in rows]
+        self.state, logits = paged.extend(
+            self.model, self.state, [r.session.seq for r in rows], blocks, graph=self.graph
+        )
+        done = []
+        for r, b in zip(rows, blocks, strict=True):
+            s = r.session
+            r.pending = r.pending[len(b) :]
+            if s.clean == s.cached:
+                s.clean += len(b)
+            s.cached += len(b)
+            self._cache_prefix(s)  # full clean pages are shareable as soon as they exist
+            if not r.pending:
+                done.append(r)
+        self.counters["prefilled"] += sum(len(b) for b in blocks)
+        if done:
+            idx = [rows.index(r) for r in done]
+            self._emit(done, logits[np.asarray(idx)])
+
+    def _decode_batch(self) -> None:
+        rows = [r for r in self._running() if r.status == "decode"]
+        if not rows:
+            return
+        seqs = [r.session.seq for r in rows]
+        last = [r.output[-1] for r in rows]
+        self.state, logits = paged.decode(self.model, self.state, seqs, last, graph=self.graph)
+        for r in rows:
+            s = r.session
+            r.fed += 1
+            if s.clean == s.cached:
+                s.clean += 1
+            s.cached += 1
+        self._emit(rows, logits)
+
+    def _emit(self, rows: list[Request], logits) -> None:
+        """Sample one token for each row and finish the turns that are done."""
+        b = paged.bucket(len(rows))
+        pad = b - len(rows)
+
+        def col(values, dtype):
+            return jnp.asarray(np.asarray(values + [values[0]] * pad, dtype))
+
+        logits = jnp.pad(logits, ((0, pad), (0, 0)))
+        toks = sample(
+            logits,
+            col([r.sampling.temperature for r in rows], np.float32),
+            col([r.sampling.top_p for r in rows], np.float32),
+            col([r.sampling.seed for r in rows], np.uint32),
+            col([len(r.output) for r in rows], np.int32),
+        )
+        now = time.perf_counter()
+        for r, t in zip(rows, np.asarray(toks)[: len(rows)].tolist(), strict=False):
+            s = r.session
+            r.output.append(t)
+            s.tokens.append(t)
+            s.last_used = now
+            if r.stats.first_token_s is None:
+                r.stats.first_token_s = now
+            r.status = "decode"
+            if t in r.sampling.stop_tokens or len(r.output) >= r.sampling.max_new_tokens:
+                self._finish(r, now)
+
+    def _finish(self, r: Request, now: float) -> None:
+        r.status = "done"
+        r.stats.finished_s = now
+        s = r.session
+        s.active = None
+        self._cache_prefix(s)
