@@ -1,6 +1,7 @@
 """AMORTIZE splice vs FORGET re-prefill, against the splice's byte floor, in one run.
 
     python -m benchmarks.splice_bench [--lengths 512,2048,8192,32768] [--out splice.json]
+        [--repeats 3] [--splice-only]
 
 Bench config (DeepSeek-V2-Lite attention shapes, 2 layers; `benchmarks.common`), fp32 params,
 default cache dtypes (bf16 `c_kv`, fp32 `k_pe`), page size 16. Sequence: a 1024-token prefix,
@@ -147,6 +148,9 @@ def main(argv=None) -> None:
     ap.add_argument("--lengths", default="512,2048,8192,32768")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=None)
+    ap.add_argument(
+        "--splice-only", action="store_true", help="time the move+rotate pass alone (fast)"
+    )
     args = ap.parse_args(argv)
     bw = measure_copy_bandwidth()
     print(
@@ -162,6 +166,21 @@ def main(argv=None) -> None:
             per_token = c.num_hidden_layers * (c.kv_lora_rank * 2 + c.qk_rope_head_dim * 4)
             floor = d * per_token * 2 / bw
             splice = time_splice_only(model, d, args.repeats)
+            if args.splice_only:
+                print(
+                    f"D={d:6d} floor {floor * 1e3:8.3f} ms | splice {splice * 1e3:8.3f} ms "
+                    f"({splice / floor:.1f}x floor)",
+                    flush=True,
+                )
+                rows.append(
+                    dict(
+                        downstream=d,
+                        floor_s=floor,
+                        splice_s=splice,
+                        splice_over_floor=splice / floor,
+                    )
+                )
+                continue
             amortize = time_amortize(model, d, args.repeats)
             forget = time_reprefill(model, d, 1 if d >= 8192 else args.repeats)
             rows.append(

@@ -324,3 +324,25 @@ def test_steady_state_never_recompiles(model):
     before = counts()
     run_sessions(make_engine(model), list(range(16)))
     assert counts() == before
+
+
+def test_stream_and_sampled_turns_are_batch_invariant(model):
+    """Streaming yields the turn's tokens as they come; a sampled turn (temperature, top-p,
+    seed) draws the same tokens alone and beside other sessions."""
+    params = SamplingParams(max_new_tokens=6, temperature=0.9, top_p=0.8, seed=11)
+    prompt = np.random.default_rng(9).integers(0, 256, 19).tolist()
+
+    def run(others: int):
+        engine = make_engine(model)
+        for i in range(others):
+            engine.submit(engine.open_session(), prompt[: 5 + i], sampling=SamplingParams(7))
+        r = engine.submit(engine.open_session(), prompt, sampling=params)
+        streamed = list(r.stream())
+        assert streamed == r.result()
+        return streamed
+
+    alone = run(0)
+    assert run(5) == alone
+    greedy = make_engine(model)
+    g = greedy.submit(greedy.open_session(), prompt, sampling=SamplingParams(6)).result()
+    assert alone != g  # the sampling path is really taken
