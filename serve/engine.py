@@ -49,6 +49,8 @@ import leyline_jax as ll
 from leyline_jax import directives as dv
 from leyline_jax import kv_state as kv
 from leyline_jax import paged
+from leyline_jax.directives import Mode
+from serve.edits import detect_edits
 from serve.radix import RadixCache
 
 
@@ -122,6 +124,8 @@ class Request:
         self.stats = TurnStats(submitted_s=time.perf_counter())
         self.pending: list[int] = []  # prompt tokens not yet in the KV
         self.fed = 0  # generated tokens whose KV is cached
+        self.prompt: list[int] | None = None  # a whole prompt (submit_prompt), diffed at admission
+        self.mode = Mode.AMORTIZE
 
     @property
     def finished(self) -> bool:
@@ -227,6 +231,30 @@ class Engine:
         self._queued.append((next(self._order), req))
         return req
 
+    def submit_prompt(
+        self,
+        session: int,
+        prompt: Sequence[int],
+        *,
+        mode: Mode = Mode.AMORTIZE,
+        sampling: SamplingParams | None = None,
+    ) -> Request:
+        """Queue a turn given as the whole prompt (what an unmodified harness sends): when it
+        runs, the difference from the session's tokens becomes directives in `mode` plus the
+        appended tail (`serve.edits.detect_edits`)."""
+        s = self._session(session)
+        toks = [int(t) for t in prompt]
+        if not toks:
+            raise ValueError("an empty prompt")
+        bad = [t for t in toks if not 0 <= t < self.model.config.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside [0, {self.model.config.vocab_size})")
+        req = Request(self, s, [], (), sampling or SamplingParams())
+        req.prompt, req.mode = toks, mode
+        s.queue.append(req)
+        self._queued.append((next(self._order), req))
+        return req
+
     def close_session(self, session: int) -> None:
         """Close a session after its turns finish; its clean prefix stays in the radix cache."""
         s = self._session(session)
@@ -292,18 +320,28 @@ class Engine:
             s.queue.popleft()
 
     def _plan(self, req: Request):
-        """Validate the turn against its session now; returns (directives, tokens after them)."""
+        """Validate the turn against its session now; returns (directives, tokens after them).
+        A full prompt (`submit_prompt`) becomes directives + new tokens here, against the
+        session's tokens as they are now. A turn always prefills at least one token (its first
+        output needs logits): when the edits leave nothing new, the last token is re-fed."""
         s = req.session
-        ds = dv.validate(req.directives, len(s.tokens), self.model.config.vocab_size)
+        ds, new = req.directives, req.new_tokens
+        if req.prompt is not None:
+            ds, new = detect_edits(s.tokens, req.prompt, mode=req.mode)
+        ds = dv.validate(ds, len(s.tokens), self.model.config.vocab_size)
         after = dv.apply_to_list(s.tokens, ds)
-        if not after and not req.new_tokens:
+        if not after and not new:
             raise dv.DirectiveError("the edit would leave the session empty")
-        return ds, after
+        if not new:
+            mode = ds[0].mode if ds else Mode.AMORTIZE
+            ds, _ = detect_edits(s.tokens, after[:-1], mode=mode, min_keep=1)
+            new, after = [after[-1]], after[:-1]
+        return ds, after, new
 
-    def _need(self, req: Request, ds, after, meta) -> tuple[int, int]:
+    def _need(self, req: Request, ds, after, new, meta) -> tuple[int, int]:
         """(pages the turn may take at most, pages the session keeps whatever happens)."""
         s, ps = req.session, self.page_size
-        final = len(after) + len(req.new_tokens) + req.sampling.max_new_tokens
+        final = len(after) + len(new) + req.sampling.max_new_tokens
         if s.seq is None:
             return -(-final // ps) + 1, 0
         n = int(meta["lengths"][s.seq])
@@ -313,10 +351,10 @@ class Engine:
     def _try_admit(self, req: Request) -> str:
         s = req.session
         try:
-            ds, after = self._plan(req)
+            ds, after, new = self._plan(req)
         except dv.DirectiveError as e:
             return self._fail(req, e)
-        final = len(after) + len(req.new_tokens) + req.sampling.max_new_tokens
+        final = len(after) + len(new) + req.sampling.max_new_tokens
         if final > self.state.max_seq_len:
             return self._fail(
                 req,
@@ -326,7 +364,7 @@ class Engine:
                 ),
             )
         meta = self._meta()
-        need, keep = self._need(req, ds, after, meta)
+        need, keep = self._need(req, ds, after, new, meta)
         if need > self.state.num_pages - keep:
             return self._fail(
                 req,
@@ -340,6 +378,8 @@ class Engine:
         fresh = s.seq is None
         if fresh and not self._take_slot(s):
             return "wait"
+        # the turn is admitted: fix what it does (a retry after a wait recomputes the same)
+        req.directives, req.new_tokens, req.prompt = ds, new, None
         try:
             self._start(req, ds, after, fresh)
         except ll.OutOfPagesError:  # the accounting above is an upper bound: not expected

@@ -9,7 +9,8 @@ user, assistant with `tool_calls`, tool results; `tools` optional). Steps grow: 
 start with the previous step's messages plus the assistant turn that answered it (an unedited
 harness); a policy may then edit older messages (see `serve.policies`).
 
-`synthetic(...)`: a seeded generator with controllable turn count and tool-output length: a
+`python -m serve.traces --sessions 16 --turns 6 --tool-words 600 --seed 0 --out FILE` writes
+them. `synthetic(...)`: a seeded generator with controllable turn count and tool-output length: a
 user task, then per turn an assistant tool call and the tool's output (text made of English-like
 words, so token counts are those of real text), and a final assistant answer.
 """
@@ -117,3 +118,20 @@ def read(path: str | Path, limit: int | None = None) -> Iterator[dict]:
                 raise ValueError(f"{path}:{n + 1}: a trace needs 'steps' with 'messages'")
             t.setdefault("id", f"line-{n + 1}")
             yield t
+
+
+def main(argv=None) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="write seeded synthetic agent traces (JSONL)")
+    ap.add_argument("--sessions", type=int, default=16)
+    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--tool-words", type=int, default=600)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+    write(a.out, synthetic(a.sessions, a.turns, a.tool_words, a.seed))
+
+
+if __name__ == "__main__":
+    main()

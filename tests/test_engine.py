@@ -346,3 +346,28 @@ def test_stream_and_sampled_turns_are_batch_invariant(model):
     greedy = make_engine(model)
     g = greedy.submit(greedy.open_session(), prompt, sampling=SamplingParams(6)).result()
     assert alone != g  # the sampling path is really taken
+
+
+def test_submit_prompt_derives_the_directives(model):
+    """A whole edited prompt gives the turn explicit directives would give (same splice, same
+    tokens out, same counters), in either mode; an unchanged prompt re-feeds its last token."""
+    rng = np.random.default_rng(12)
+    first = rng.integers(0, 256, 70).tolist()
+    outs = {}
+    for how in ("directive", "prompt"):
+        engine = make_engine(model)
+        s = engine.open_session()
+        engine.submit(s, first, sampling=SamplingParams(2)).result()
+        old = list(engine.sessions[s].tokens)
+        new = old[:20] + [7, 7, 7] + old[45:] + [1, 2, 3]
+        if how == "directive":
+            r = engine.submit(s, [1, 2, 3], directives=[ll.Directive(20, 45, [7, 7, 7])])
+        else:
+            r = engine.submit_prompt(s, new)
+        outs[how] = (r.result(), r.stats.spliced_tokens, r.stats.prefilled_tokens)
+        assert engine.sessions[s].tokens[: len(new)] == new
+        same = engine.submit_prompt(s, list(engine.sessions[s].tokens))
+        same.result()
+        assert same.stats.prefilled_tokens == 1
+    assert outs["directive"] == outs["prompt"]
+    assert outs["prompt"][1] == 70 + 2 - 45  # the kept tokens after the edit were spliced

@@ -1,0 +1,289 @@
+"""The replay benchmark: agent traces through the engine, three arms, several concurrencies.
+
+    python -m serve.replay --traces FILE.jsonl --arms radix,amortize,forget \\
+        --concurrency 1,4,8,16 [--policy truncate --keep 2] [--model PATH] [--limit N] --out DIR
+
+Each trace step is the request a harness sent (see `serve.traces`); with `--policy` the policy
+edits the message list first (older tool outputs stubbed). The request is rendered with the
+DeepSeek chat format and tokenizer (`serve.chat`: real token counts), then served:
+
+- `radix`: each step is a new request (a fresh engine session). The radix cache serves its
+  longest cached page-aligned prefix: reuse ends at the first changed token.
+- `amortize`: one session per trace; the difference between the session's tokens and the new
+  prompt becomes AMORTIZE directives plus the appended tail (`serve.edits`).
+- `forget`: the same, with FORGET directives (re-prefill from the first edit).
+
+C traces run at once (closed loop: a trace submits its next step when the previous one is
+done). Per (arm, concurrency) it reports, over all steps: prompt tokens, tokens reused as cached
+(`reused`), moved and rotated by AMORTIZE (`spliced`), run through the model (`prefilled`);
+`hit_rate` = (reused + spliced) / prompt (prompt tokens served from cache); end-to-end step
+latency (submit to last generated token) and time to first token, p50/p95 and mean; total wall
+time. Writes DIR/results.json (one row per arm and concurrency), DIR/results.md, DIR/results.png.
+
+Models whose vocabulary is smaller than the tokenizer's (the embedded tiny default: 256) see
+token ids mapped by `id % vocab_size`; token counts are the real tokenizer's either way. Before
+the timed runs an untimed pass of the same replay compiles every shape it touches
+(`--no-warmup` skips it), so latencies are serving times, not compile times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+import leyline_jax as ll
+from checkpoints.tiny import ensure_default_checkpoints
+from serve import policies, traces
+from serve.chat import ChatTokenizer, render
+from serve.engine import Engine, SamplingParams
+
+ARMS = ("radix", "amortize", "forget")
+KEYS = (
+    "arm",
+    "concurrency",
+    "policy",
+    "steps",
+    "hit_rate",
+    "prompt_tokens",
+    "reused_tokens",
+    "spliced_tokens",
+    "prefilled_tokens",
+    "latency_p50_s",
+    "latency_p95_s",
+    "latency_mean_s",
+    "ttft_p50_s",
+    "ttft_p95_s",
+    "total_s",
+)
+
+
+def prompts(trace_list, tokenizer, vocab: int, policy_name, policy_kw) -> list[list[list[int]]]:
+    """Per trace, per step: the token ids the harness sends (policy applied, ids mapped)."""
+    policy = policies.make(policy_name, **policy_kw) if policy_name else None
+    out = []
+    for t in trace_list:
+        steps = []
+        for step in t["steps"]:
+            msgs = step["messages"]
+            if policy is not None:
+                msgs = policy.apply(t["id"], msgs)
+            ids = render(tokenizer, msgs).tokens
+            steps.append([i % vocab for i in ids] if vocab < tokenizer.vocab_size else ids)
+        out.append(steps)
+    return out
+
+
+def _pct(values, q):
+    return float(np.percentile(np.asarray(values), q)) if values else 0.0
+
+
+def run_arm(
+    model, work, arm: str, concurrency: int, *, max_new: int, page_size: int, progress: bool = False
+) -> tuple[dict, list[dict]]:
+    """Replay `work` (per trace, per step: prompt tokens) in one arm; (summary row, per step)."""
+    longest = max(len(s) for steps in work for s in steps) + max_new + page_size
+    max_seq = -(-longest // page_size) * page_size
+    per_seq = max_seq // page_size
+    engine = Engine(
+        model,
+        num_pages=(concurrency + 2) * per_seq * 2,
+        page_size=page_size,
+        max_seqs=concurrency,
+        max_seq_len=max_seq,
+    )
+    sampling = SamplingParams(max_new_tokens=max_new)
+    pending = list(range(len(work)))
+    live: dict[int, list] = {}  # trace -> [step index, session id, request]
+    records = []
+    bar = tqdm(
+        total=sum(len(s) for s in work),
+        desc=f"{arm} C={concurrency}",
+        disable=not progress,
+        leave=False,
+    )
+
+    def submit(t: int) -> None:
+        k, sid, _ = live[t]
+        if arm == "radix":  # every step a new request
+            if sid is not None:
+                engine.close_session(sid)
+            sid = engine.open_session()
+            req = engine.submit_prompt(sid, work[t][k], sampling=sampling)
+        else:
+            if sid is None:
+                sid = engine.open_session()
+            mode = ll.Mode.AMORTIZE if arm == "amortize" else ll.Mode.FORGET
+            req = engine.submit_prompt(sid, work[t][k], mode=mode, sampling=sampling)
+        live[t] = [k, sid, req]
+
+    t0 = time.perf_counter()
+    while pending or live:
+        while pending and len(live) < concurrency:
+            t = pending.pop(0)
+            live[t] = [0, None, None]
+            submit(t)
+        engine.step()
+        for t in list(live):
+            k, sid, req = live[t]
+            if not req.finished:
+                continue
+            if req.error is not None:
+                raise RuntimeError(f"trace {t} step {k} failed: {req.error}") from req.error
+            st = req.stats
+            records.append(
+                dict(
+                    trace=t,
+                    step=k,
+                    prompt=st.prompt_tokens,
+                    reused=st.reused_tokens,
+                    spliced=st.spliced_tokens,
+                    prefilled=st.prefilled_tokens,
+                    latency_s=st.latency_s,
+                    ttft_s=st.ttft_s,
+                )
+            )
+            bar.update(1)
+            if k + 1 < len(work[t]):
+                live[t][0] = k + 1
+                submit(t)
+            else:
+                engine.close_session(sid)
+                del live[t]
+    total = time.perf_counter() - t0
+    bar.close()
+    lat = [r["latency_s"] for r in records]
+    ttft = [r["ttft_s"] for r in records]
+    sums = {k: sum(r[k] for r in records) for k in ("prompt", "reused", "spliced", "prefilled")}
+    row = dict(
+        arm=arm,
+        concurrency=concurrency,
+        steps=len(records),
+        hit_rate=(sums["reused"] + sums["spliced"]) / max(sums["prompt"], 1),
+        prompt_tokens=sums["prompt"],
+        reused_tokens=sums["reused"],
+        spliced_tokens=sums["spliced"],
+        prefilled_tokens=sums["prefilled"],
+        latency_p50_s=_pct(lat, 50),
+        latency_p95_s=_pct(lat, 95),
+        latency_mean_s=statistics.fmean(lat) if lat else 0.0,
+        ttft_p50_s=_pct(ttft, 50),
+        ttft_p95_s=_pct(ttft, 95),
+        total_s=total,
+    )
+    return row, records
+
+
+def markdown(rows) -> str:
+    head = (
+        "| policy | arm | C | hit rate | prompt | reused | spliced | prefilled | "
+        "latency p50 | p95 | mean | TTFT p50 | total |"
+    )
+    lines = [head, "|" + "---|" * 2 + "---:|" * 11]
+    for r in rows:
+        lines.append(
+            f"| {r['policy']} | {r['arm']} | {r['concurrency']} | {r['hit_rate']:.1%} | "
+            f"{r['prompt_tokens']} | {r['reused_tokens']} | {r['spliced_tokens']} | "
+            f"{r['prefilled_tokens']} | {r['latency_p50_s'] * 1e3:.1f} ms | "
+            f"{r['latency_p95_s'] * 1e3:.1f} ms | {r['latency_mean_s'] * 1e3:.1f} ms | "
+            f"{r['ttft_p50_s'] * 1e3:.1f} ms | {r['total_s']:.1f} s |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for arm in dict.fromkeys(r["arm"] for r in rows):
+        for pol in dict.fromkeys(r["policy"] for r in rows):
+            rs = [r for r in rows if r["arm"] == arm and r["policy"] == pol]
+            if not rs:
+                continue
+            c = [r["concurrency"] for r in rs]
+            label = f"{arm} ({pol})"
+            axes[0].plot(c, [100 * r["hit_rate"] for r in rs], marker="o", label=label)
+            axes[1].plot(c, [1e3 * r["latency_mean_s"] for r in rs], marker="o", label=label)
+    axes[0].set(
+        xlabel="concurrency", ylabel="replay cache-hit rate (%)", xscale="log", ylim=(0, 100)
+    )
+    axes[1].set(xlabel="concurrency", ylabel="mean step latency (ms)", xscale="log")
+    for ax in axes:
+        ax.set_xticks(sorted({r["concurrency"] for r in rows}))
+        ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--traces", required=True, help="JSONL traces (serve.traces format)")
+    ap.add_argument("--arms", default="radix,amortize,forget")
+    ap.add_argument("--concurrency", default="1,4,8,16")
+    ap.add_argument("--policy", default=None, help="truncate | clear_tool_uses (default: none)")
+    ap.add_argument("--keep", type=int, default=2, help="the policy's keep")
+    ap.add_argument("--model", default=None, help="checkpoint (default: the embedded tiny one)")
+    ap.add_argument("--root", default=".checkpoints")
+    ap.add_argument("--limit", type=int, default=None, help="first N traces")
+    ap.add_argument("--max-new", type=int, default=4, help="tokens generated per step")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--no-warmup", action="store_true")
+    ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    arms = [a for a in args.arms.split(",") if a]
+    bad = [a for a in arms if a not in ARMS]
+    if bad:
+        ap.error(f"unknown arm {bad[0]!r}: {', '.join(ARMS)}")
+    conc = [int(c) for c in args.concurrency.split(",")]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    path = args.model or ensure_default_checkpoints(args.root)["deepseek_v3"]
+    model = ll.load_model(path)
+    tok = ChatTokenizer()
+    trace_list = list(traces.read(args.traces, args.limit))
+    kw = {"keep": args.keep} if args.policy else {}
+    work = prompts(trace_list, tok, model.config.vocab_size, args.policy, kw)
+    policy = f"{args.policy}(keep={args.keep})" if args.policy else "none"
+    print(f"{len(work)} traces, {sum(len(w) for w in work)} steps, model {path}, policy {policy}")
+    if not args.no_warmup:
+        t0 = time.perf_counter()
+        for arm in arms:
+            for c in conc:
+                run_arm(model, work, arm, c, max_new=args.max_new, page_size=args.page_size)
+        print(f"warm-up pass (compiles every shape): {time.perf_counter() - t0:.1f} s")
+    rows = []
+    for arm in arms:
+        for c in conc:
+            row, _ = run_arm(
+                model, work, arm, c, max_new=args.max_new, page_size=args.page_size, progress=True
+            )
+            row["policy"] = policy
+            rows.append({k: row[k] for k in KEYS})
+            print(
+                f"{arm:9s} C={c:<3d} hit {row['hit_rate']:6.1%}  prefilled "
+                f"{row['prefilled_tokens']:8d}  spliced {row['spliced_tokens']:8d}  latency "
+                f"p50 {row['latency_p50_s'] * 1e3:8.1f} ms mean {row['latency_mean_s'] * 1e3:8.1f}"
+                f" ms  total {row['total_s']:.1f} s",
+                flush=True,
+            )
+    (out / "results.json").write_text(json.dumps(rows, indent=2))
+    (out / "results.md").write_text(markdown(rows))
+    if not args.no_plot:
+        plot(rows, out / "results.png")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
