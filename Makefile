@@ -11,6 +11,9 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test]'
+	# bfcl-eval's data and pure-Python tool back-ends only: its declared dependencies (numpy 1.26
+	# and a dozen SDKs) would break this environment
+	$(PY) -m pip install --quiet --no-deps bfcl-eval==2026.3.23
 	touch $(STAMP)
 
 run: $(STAMP)

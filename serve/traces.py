@@ -120,17 +120,118 @@ def read(path: str | Path, limit: int | None = None) -> Iterator[dict]:
             yield t
 
 
+# ---- bfcl-eval multi-turn conversations ------------------------------------------------------
+BFCL_CATEGORIES = ("base", "long_context")
+
+
+def _bfcl_root():
+    import bfcl_eval  # installed with --no-deps: only its data and pure-Python back-ends are used
+
+    return Path(bfcl_eval.__file__).parent
+
+
+def _bfcl_call(instances: dict, call: str):
+    """Run one ground-truth call string `name(arg=...)` on the back-end instance owning it."""
+    import ast
+
+    node = ast.parse(call.strip(), mode="eval").body
+    if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name):
+        raise ValueError(f"not a function call: {call!r}")
+    name = node.func.id
+    args = [ast.literal_eval(a) for a in node.args]
+    kwargs = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+    for inst in instances.values():
+        if hasattr(inst, name) and not name.startswith("_"):
+            try:
+                result = getattr(inst, name)(*args, **kwargs)
+            except Exception as e:  # the back-end's own failure is the tool's output
+                result = f"Error during execution: {e}"
+            return name, kwargs | {f"arg{i}": a for i, a in enumerate(args)}, result
+    raise ValueError(f"no back-end has a function {name!r}")
+
+
+def bfcl(category: str = "base", limit: int | None = None) -> list[dict]:
+    """bfcl-eval's multi-turn conversations as traces: each user turn, then each ground-truth
+    call of that turn as an assistant tool call whose output is what executing it on the
+    shipped back-ends returns (the long-context set loads its large scenarios). A step is the
+    request after each user message and after each tool output; `tools` are the back-ends'
+    function documents."""
+    import importlib
+
+    from bfcl_eval.constants.executable_backend_config import CLASS_FILE_PATH_MAPPING
+    from bfcl_eval.constants.executable_backend_config import (
+        MULTI_TURN_FUNC_DOC_FILE_MAPPING as DOCS,
+    )
+
+    if category not in BFCL_CATEGORIES:
+        raise ValueError(f"unknown bfcl category {category!r}: {', '.join(BFCL_CATEGORIES)}")
+    root = _bfcl_root() / "data"
+    name = f"BFCL_v4_multi_turn_{category}.json"
+    with open(root / name) as f:
+        questions = [json.loads(line) for line in f]
+    with open(root / "possible_answer" / name) as f:
+        answers = {a["id"]: a["ground_truth"] for a in map(json.loads, f)}
+    out = []
+    for q in questions[:limit]:
+        instances = {}
+        for cls in q["involved_classes"]:
+            module = importlib.import_module(CLASS_FILE_PATH_MAPPING[cls])
+            inst = getattr(module, cls)()
+            if hasattr(inst, "_load_scenario"):
+                inst._load_scenario(
+                    json.loads(json.dumps(q["initial_config"].get(cls, {}))),
+                    long_context=category == "long_context",
+                )
+            instances[cls] = inst
+        tools = []
+        for cls in q["involved_classes"]:
+            with open(root / "multi_turn_func_doc" / DOCS[cls]) as f:
+                tools += [{"type": "function", "function": json.loads(line)} for line in f]
+        messages, steps = [], []
+        for t, (turn, calls) in enumerate(zip(q["question"], answers[q["id"]], strict=False)):
+            messages += [dict(m) for m in turn]
+            steps.append({"messages": [dict(m) for m in messages], "tools": tools})
+            for c, call in enumerate(calls):
+                fn, kwargs, result = _bfcl_call(instances, call)
+                call_id = f"call_{t}_{c}"
+                messages.append(
+                    {
+                        "role": "assistant",
+                        "content": "",
+                        "tool_calls": [
+                            {
+                                "id": call_id,
+                                "type": "function",
+                                "function": {"name": fn, "arguments": json.dumps(kwargs)},
+                            }
+                        ],
+                    }
+                )
+                content = result if isinstance(result, str) else json.dumps(result, default=str)
+                messages.append(
+                    {"role": "tool", "tool_call_id": call_id, "name": fn, "content": content}
+                )
+                steps.append({"messages": [dict(m) for m in messages], "tools": tools})
+        out.append({"id": q["id"], "steps": steps})
+    return out
+
+
 def main(argv=None) -> None:
     import argparse
 
-    ap = argparse.ArgumentParser(description="write seeded synthetic agent traces (JSONL)")
+    ap = argparse.ArgumentParser(description="write agent traces (JSONL)")
+    ap.add_argument("--bfcl", default=None, help=f"a bfcl-eval set: {', '.join(BFCL_CATEGORIES)}")
+    ap.add_argument("--limit", type=int, default=None, help="first N bfcl conversations")
     ap.add_argument("--sessions", type=int, default=16)
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--tool-words", type=int, default=600)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
-    write(a.out, synthetic(a.sessions, a.turns, a.tool_words, a.seed))
+    if a.bfcl:
+        write(a.out, bfcl(a.bfcl, a.limit))
+    else:
+        write(a.out, synthetic(a.sessions, a.turns, a.tool_words, a.seed))
 
 
 if __name__ == "__main__":

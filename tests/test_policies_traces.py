@@ -107,3 +107,23 @@ def test_synthetic_traces_and_jsonl_round_trip(tmp_path):
     path.write_text(json.dumps({"id": "x", "steps": [{"nope": 1}]}) + "\n")
     with pytest.raises(ValueError, match="messages"):
         list(traces.read(path))
+
+
+@pytest.mark.parametrize("category", ["base", "long_context"])
+def test_bfcl_conversations_become_traces_with_executed_tool_outputs(category):
+    ts = traces.bfcl(category, limit=3)
+    assert [t["id"] for t in ts] == [f"multi_turn_{category}_{i}" for i in range(3)]
+    first = ts[0]
+    users = [m for m in first["steps"][-1]["messages"] if m["role"] == "user"]
+    assert len(users) == 4  # multi_turn_*_0 has four user turns
+    calls = [m for m in first["steps"][-1]["messages"] if m.get("tool_calls")]
+    outputs = [m for m in first["steps"][-1]["messages"] if m["role"] == "tool"]
+    assert len(calls) == len(outputs) > 0
+    # executing the ground truth on the shipped file-system back-end: `cd` then `mkdir`...
+    assert calls[0]["tool_calls"][0]["function"]["name"] == "cd"
+    assert json.loads(outputs[0]["content"]) == {"current_working_directory": "document"}
+    for s0, s1 in zip(first["steps"], first["steps"][1:], strict=False):
+        assert s1["messages"][: len(s0["messages"])] == s0["messages"]
+    assert first["steps"][0]["tools"] and "name" in first["steps"][0]["tools"][0]["function"]
+    with pytest.raises(ValueError, match="category"):
+        traces.bfcl("nope")
