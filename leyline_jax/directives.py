@@ -313,8 +313,9 @@ def _splice(model, state, seq, meta, tokens, directives, impl):
         _phases(model.config, state.max_seq_len) if _uses_jnp(impl) else None,
         impl=impl,
     )
-    for start, rep in plan.fills:
-        state = _fill(model, state, seq, start, rep)
+    for start, rep in plan.fills:  # in chunks, like a prefill: bounds the [T, S] score buffer
+        for a in range(0, len(rep), paged.PREFILL_CHUNK):
+            state = _fill(model, state, seq, start + a, rep[a : a + paged.PREFILL_CHUNK])
     return state
 
 

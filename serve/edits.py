@@ -33,8 +33,10 @@ def detect_edits(
     min_keep: int = MIN_KEEP,
 ) -> tuple[list[Directive], list[int]]:
     """(directives in `old`'s coordinates, tokens to append after them) with
-    `apply_to_list(old, directives) + tail == list(new)`. The tail is what `new` adds after the
-    last token of `old` it keeps; an edit reaching `old`'s end is a directive, not tail."""
+    `apply_to_list(old, directives) + tail == list(new)`. The tail is everything `new` has
+    after the last token of `old` it keeps: an edit reaching `old`'s end becomes a deletion of
+    old's end plus the tail, so the new tokens go through the batched, chunked prefill rather
+    than a directive's fill."""
     old, new = [int(t) for t in old], [int(t) for t in new]
     p = 0
     while p < len(old) and p < len(new) and old[p] == new[p]:
@@ -53,8 +55,10 @@ def detect_edits(
         else:
             spans.append([i1, i2, j1, j2])
     tail: list[int] = []
-    if spans and spans[-1][0] == spans[-1][1] == len(old):  # an insertion after the end
-        _, _, j1, j2 = spans.pop()
+    if spans and spans[-1][1] == len(old):  # the edit reaching the end: cut there, append rest
+        i1, _, j1, j2 = spans.pop()
         tail = new[j1:j2]
+        if i1 < len(old):  # a deletion (nothing downstream to keep), then the tail
+            spans.append([i1, len(old), j1, j1])
     directives = [Directive(i1, i2, tuple(new[j1:j2]), mode) for i1, i2, j1, j2 in spans]
     return directives, tail

@@ -34,9 +34,9 @@ def test_short_kept_runs_fold_into_one_edit():
     assert len(ds) == 2  # without folding the two edits stay apart
 
 
-def test_an_edit_at_the_end_is_a_directive_not_tail():
+def test_an_edit_at_the_end_is_a_deletion_and_tail():
     ds, tail = detect_edits([1, 2, 3, 4], [1, 2, 9])
-    assert [(d.start, d.end, d.replacement) for d in ds] == [(2, 4, (9,))] and tail == []
+    assert [(d.start, d.end, d.replacement) for d in ds] == [(2, 4, ())] and tail == [9]
 
 
 @st.composite
@@ -59,5 +59,5 @@ def test_derived_directives_rebuild_the_new_prompt(case, min_keep):
     ds, tail = detect_edits(old, new, min_keep=min_keep)
     assert validate(ds, len(old), vocab_size=6) == [d for d in ds if not d.is_noop]
     assert apply_to_list(old, ds) + tail == new
-    # the tail never re-sends tokens a directive could keep: it starts after old's last token
-    assert not ds or ds[-1].end <= len(old)
+    # no directive inserts at the very end: anything after old's last kept token is tail
+    assert not ds or ds[-1].start < len(old)
