@@ -23,6 +23,17 @@ FAMILIES = tuple(TINY_HF_CONFIGS)
 ALL_NAMES = tuple(ALL_CONFIGS)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _drop_compiled_programs():
+    """Each test module compiles its own shapes; dropping them afterwards keeps one long pytest
+    process from piling up thousands of XLA:CPU executables (each maps its own code pages; the
+    kernel's map-count limit then makes LLVM fail with "Cannot allocate memory")."""
+    yield
+    import jax
+
+    jax.clear_caches()
+
+
 @pytest.fixture(scope="session")
 def ckpt_root(tmp_path_factory):
     return tmp_path_factory.mktemp("tiny_checkpoints")
