@@ -171,6 +171,23 @@ def _check_room(state: PagedKVState, seq: int, length: int, count: int) -> None:
         )
 
 
+def _rows(state: PagedKVState, meta, seqs: list, blocks: list, min_tokens: int):
+    """Bucketed, padded arguments of a batched step appending blocks[i] to seqs[i]:
+    (seqs i32[B], tokens i32[B, T], counts i32[B], page-table width). Padding rows
+    repeat the first sequence with count 0: they append and write nothing."""
+    b, t = bucket(len(seqs)), bucket(max(len(x) for x in blocks), min_tokens)
+    longest = max(int(meta["lengths"][s]) + len(x) for s, x in zip(seqs, blocks, strict=True))
+    width = bucket(-(-longest // state.page_size), maximum=state.max_pages_per_seq)
+    pad_seqs = np.full(b, seqs[0], np.int32)
+    pad_seqs[: len(seqs)] = seqs
+    pad_toks = np.zeros((b, t), np.int32)
+    counts = np.zeros(b, np.int32)
+    for i, x in enumerate(blocks):
+        pad_toks[i, : len(x)] = x
+        counts[i] = len(x)
+    return jnp.asarray(pad_seqs), jnp.asarray(pad_toks), jnp.asarray(counts), width
+
+
 def _check_appends(state: PagedKVState, seqs: list, counts: list):
     """Host checks for appending counts[i] tokens to open, distinct seqs[i]; returns the meta."""
     if len(set(seqs)) != len(seqs):
@@ -257,26 +274,9 @@ def extend(
     if any(len(b) == 0 or len(b) > PREFILL_CHUNK for b in blocks):
         raise ValueError(f"each block needs 1..{PREFILL_CHUNK} tokens")
     meta = _check_appends(state, seqs, [len(b) for b in blocks])
-    b, t = bucket(len(seqs)), bucket(max(len(x) for x in blocks), MIN_TOKEN_BUCKET)
-    longest = max(int(meta["lengths"][s]) + len(x) for s, x in zip(seqs, blocks, strict=True))
-    width = bucket(-(-longest // state.page_size), maximum=state.max_pages_per_seq)
-    pad_seqs = np.full(b, seqs[0], np.int32)  # padding rows: count 0, they write nothing
-    pad_seqs[: len(seqs)] = seqs
-    pad_toks = np.zeros((b, t), np.int32)
-    counts = np.zeros(b, np.int32)
-    for i, x in enumerate(blocks):
-        pad_toks[i, : len(x)] = x
-        counts[i] = len(x)
     graphdef, params = nnx.split(model) if graph is None else graph
-    state, logits = _extend_step(
-        graphdef,
-        params,
-        state,
-        jnp.asarray(pad_seqs),
-        jnp.asarray(pad_toks),
-        jnp.asarray(counts),
-        width=width,
-    )
+    rows, toks, counts, width = _rows(state, meta, seqs, blocks, MIN_TOKEN_BUCKET)
+    state, logits = _extend_step(graphdef, params, state, rows, toks, counts, width=width)
     return state, logits[: len(seqs)]
 
 
@@ -298,25 +298,9 @@ def decode(
     if len(seqs) != len(toks):
         raise ValueError(f"{len(seqs)} sequences but {len(toks)} tokens")
     meta = _check_appends(state, seqs, [1] * len(seqs))
-    b = bucket(len(seqs))
-    longest = max(int(meta["lengths"][s]) for s in seqs) + 1
-    width = bucket(-(-longest // state.page_size), maximum=state.max_pages_per_seq)
-    # padding rows repeat the first sequence with count 0: they append and write nothing
-    pad_seqs = np.full(b, seqs[0], np.int32)
-    pad_seqs[: len(seqs)] = seqs
-    pad_toks = np.zeros(b, np.int32)
-    pad_toks[: len(seqs)] = toks
-    counts = (np.arange(b) < len(seqs)).astype(np.int32)
     graphdef, params = nnx.split(model) if graph is None else graph
-    state, logits = _decode_step(
-        graphdef,
-        params,
-        state,
-        jnp.asarray(pad_seqs),
-        jnp.asarray(pad_toks),
-        jnp.asarray(counts),
-        width=width,
-    )
+    rows, padded, counts, width = _rows(state, meta, seqs, [[t] for t in toks], 1)
+    state, logits = _decode_step(graphdef, params, state, rows, padded[:, 0], counts, width=width)
     return state, logits[: len(seqs)]
 
 

@@ -23,7 +23,7 @@ def setup(np_ckpt):
 @pytest.mark.parametrize("policy", [None, "truncate"])
 def test_counters_add_up_per_step(setup, policy):
     model, trace_list, tok = setup
-    kw = {"keep": 1} if policy else {}
+    kw = {"keep": 2} if policy else {}  # a whole tool turn stays between an edit and the end
     work = replay.prompts(trace_list, tok, model.config.vocab_size, policy, kw)
     rows = {}
     for arm in replay.ARMS:
