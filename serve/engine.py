@@ -163,7 +163,6 @@ class Session:
     queue: collections.deque = dataclasses.field(default_factory=collections.deque)
     active: Request | None = None
     last_used: float = 0.0
-    closed: bool = False
 
 
 class Engine:
@@ -261,7 +260,6 @@ class Engine:
         if s.active is not None or s.queue:
             raise ValueError(f"session {session} still has turns in flight")
         self._offload(s)
-        s.closed = True
         del self.sessions[session]
 
     def _session(self, session: int) -> Session:
@@ -482,8 +480,6 @@ class Engine:
             req.pending = s.tokens[hit:]
         st.prefilled_tokens += len(req.pending)
         st.spliced_tokens = st.prompt_tokens - st.reused_tokens - st.prefilled_tokens
-        if not req.pending:  # nothing to prefill (cannot happen: a turn prefills >= 1 token)
-            raise AssertionError("a turn with an empty prompt")
         req.status = "prefill"
         self.counters["reused"] += st.reused_tokens
         self.counters["spliced"] += st.spliced_tokens
