@@ -10,6 +10,11 @@ rendering is prefix-stable: appending messages never changes the tokens of earli
 KV cache needs), and a message's span is exact. Departure from DeepSeek's published template,
 for that reason: every tool result is wrapped in its own `<｜tool▁outputs▁begin｜>` ...
 `<｜tool▁outputs▁end｜>` pair, instead of one pair around a run of consecutive results.
+
+Tool schemas (`tools=`, OpenAI format) are rendered the way DeepSeek-V3.1's template does: a
+`## Tools` section with one `### name` / description / JSON parameters entry per tool and the
+call-format instructions, appended to the system prompt (after the leading system messages, or
+right after the BOS token when there are none). `Rendered.tools` is its span.
 """
 
 from __future__ import annotations
@@ -69,6 +74,7 @@ class MessageSpan:
 class Rendered:
     tokens: list[int]
     spans: list[MessageSpan]
+    tools: tuple[int, int] | None = None  # span of the rendered tool schemas, if any
 
 
 def _tool_calls_text(calls) -> list[tuple[str, str]]:
@@ -90,10 +96,46 @@ def _tool_calls_text(calls) -> list[tuple[str, str]]:
     return out
 
 
-def render(tokenizer: ChatTokenizer, messages, *, add_generation_prompt: bool = True) -> Rendered:
+TOOLS_HEAD = "\n\n## Tools\nYou have access to the following tools:\n"
+TOOLS_FORMAT = (
+    "\nIMPORTANT: ALWAYS adhere to this exact format for tool use:\n"
+    f"{CALLS_BEGIN}{CALL_BEGIN}tool_call_name{TOOL_SEP}tool_call_arguments{CALL_END}"
+    f"{{{{additional_tool_calls}}}}{CALLS_END}\n\n"
+    "Where:\n- `tool_call_name` must be an exact match to one of the available tools\n"
+    "- `tool_call_arguments` must be valid JSON that strictly follows the tool's Parameters "
+    "Schema\n- For multiple tool calls, chain them directly without separators or spaces\n"
+)
+
+
+def tools_text(tools) -> str:
+    """The `## Tools` section for OpenAI-format tool schemas (DeepSeek-V3.1's layout)."""
+    parts = [TOOLS_HEAD]
+    for t in tools:
+        fn = t.get("function", t)
+        params = json.dumps(fn.get("parameters", {}), ensure_ascii=False)
+        parts.append(
+            f"\n### {fn['name']}\nDescription: {fn.get('description', '')}\n\n"
+            f"Parameters: {params}\n"
+        )
+    parts.append(TOOLS_FORMAT)
+    return "".join(parts)
+
+
+def render(
+    tokenizer: ChatTokenizer, messages, tools=None, *, add_generation_prompt: bool = True
+) -> Rendered:
     """Token ids of a conversation and each message's span (see the module docstring)."""
     toks = [tokenizer.special(BOS)]
     spans = []
+    tools_span = None
+    n_system = 0
+    while n_system < len(messages) and messages[n_system].get("role") == "system":
+        n_system += 1
+
+    def add_tools() -> tuple[int, int]:
+        start = len(toks)
+        toks.extend(tokenizer.encode(tools_text(tools)))
+        return start, len(toks)
 
     def piece(text: str, kind: str) -> None:
         if kind == "s":
@@ -102,6 +144,8 @@ def render(tokenizer: ChatTokenizer, messages, *, add_generation_prompt: bool = 
             toks.extend(tokenizer.encode(text))
 
     for i, m in enumerate(messages):
+        if i == n_system and tools:
+            tools_span = add_tools()
         role = m.get("role")
         content = m.get("content") or ""
         if not isinstance(content, str):  # OpenAI content parts: keep the text ones
@@ -133,6 +177,8 @@ def render(tokenizer: ChatTokenizer, messages, *, add_generation_prompt: bool = 
         for p in tail:
             piece(*p)
         spans.append(MessageSpan(i, role, start, len(toks), c0, c1))
+    if tools and tools_span is None:  # only system messages (or none)
+        tools_span = add_tools()
     if add_generation_prompt:
         toks.append(tokenizer.special(ASSISTANT))
-    return Rendered(toks, spans)
+    return Rendered(toks, spans, tools_span)

@@ -50,7 +50,7 @@ from leyline_jax import directives as dv
 from leyline_jax import kv_state as kv
 from leyline_jax import paged
 from leyline_jax.directives import Mode
-from serve.edits import detect_edits
+from serve.edits import edits_and_feed
 from serve.radix import RadixCache
 
 
@@ -322,19 +322,20 @@ class Engine:
         A full prompt (`submit_prompt`) becomes directives + new tokens here, against the
         session's tokens as they are now. A turn always prefills at least one token (its first
         output needs logits): when the edits leave nothing new, the last token is re-fed."""
-        s = req.session
-        ds, new = req.directives, req.new_tokens
+        s, vocab = req.session, self.model.config.vocab_size
         if req.prompt is not None:
-            ds, new = detect_edits(s.tokens, req.prompt, mode=req.mode)
-        ds = dv.validate(ds, len(s.tokens), self.model.config.vocab_size)
-        after = dv.apply_to_list(s.tokens, ds)
-        if not after and not new:
-            raise dv.DirectiveError("the edit would leave the session empty")
-        if not new:
-            mode = ds[0].mode if ds else Mode.AMORTIZE
-            ds, _ = detect_edits(s.tokens, after[:-1], mode=mode, min_keep=1)
-            new, after = [after[-1]], after[:-1]
-        return ds, after, new
+            ds, new = edits_and_feed(s.tokens, req.prompt, mode=req.mode)
+        else:
+            ds = dv.validate(req.directives, len(s.tokens), vocab)
+            new = req.new_tokens
+            if not new:  # edits only: the result's last token is fed again
+                after = dv.apply_to_list(s.tokens, ds)
+                if not after:
+                    raise dv.DirectiveError("the edit would leave the session empty")
+                mode = ds[0].mode if ds else Mode.AMORTIZE
+                ds, new = edits_and_feed(s.tokens, after, mode=mode)
+        ds = dv.validate(ds, len(s.tokens), vocab)
+        return ds, dv.apply_to_list(s.tokens, ds), new
 
     def _need(self, req: Request, ds, after, new, meta) -> tuple[int, int]:
         """(pages the turn may take at most, pages the session keeps whatever happens)."""
@@ -479,7 +480,12 @@ class Engine:
             st.reused_tokens = hit
             req.pending = s.tokens[hit:]
         st.prefilled_tokens += len(req.pending)
-        st.spliced_tokens = st.prompt_tokens - st.reused_tokens - st.prefilled_tokens
+        counted = st.reused_tokens + st.spliced_tokens + st.prefilled_tokens
+        if counted != st.prompt_tokens or s.cached + len(req.pending) != len(s.tokens):
+            raise RuntimeError(  # internal: the session's tokens no longer describe its cache
+                f"session {s.id}: {counted} tokens accounted for a {st.prompt_tokens}-token "
+                f"prompt ({s.cached} cached + {len(req.pending)} pending, {len(s.tokens)} held)"
+            )
         req.status = "prefill"
         self.counters["reused"] += st.reused_tokens
         self.counters["spliced"] += st.spliced_tokens
@@ -509,6 +515,8 @@ class Engine:
         new_len = len(dv.apply_to_list(s.tokens, ds))
         st.reused_tokens = ds[0].start
         st.prefilled_tokens = sum(len(d.replacement) for d in spliced) + (new_len - cut_new)
+        # kept tokens after the first edit that AMORTIZE moved (and rotated) rather than refed
+        st.spliced_tokens = (cut - ds[0].start) - sum(d.end - d.start for d in spliced)
         if spliced:
             s.clean = min(s.clean, spliced[0].start)
         elif s.clean >= cut:  # FORGET alone re-prefills after a clean prefix: all clean

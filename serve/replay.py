@@ -4,8 +4,9 @@
         --concurrency 1,4,8,16 [--policy truncate --keep 2] [--model PATH] [--limit N] --out DIR
 
 Each trace step is the request a harness sent (see `serve.traces`); with `--policy` the policy
-edits the message list first (older tool outputs stubbed). The request is rendered with the
-DeepSeek chat format and tokenizer (`serve.chat`: real token counts), then served:
+edits the message list first (older tool outputs stubbed). The request (messages and tool
+schemas) is rendered with the DeepSeek chat format and tokenizer (`serve.chat`: real token
+counts), then served:
 
 - `radix`: each step is a new request (a fresh engine session). The radix cache serves its
   longest cached page-aligned prefix: reuse ends at the first changed token.
@@ -73,7 +74,7 @@ def prompts(trace_list, tokenizer, vocab: int, policy_name, policy_kw) -> list[l
             msgs = step["messages"]
             if policy is not None:
                 msgs = policy.apply(t["id"], msgs)
-            ids = render(tokenizer, msgs).tokens
+            ids = render(tokenizer, msgs, step.get("tools")).tokens
             steps.append([i % vocab for i in ids] if vocab < tokenizer.vocab_size else ids)
         out.append(steps)
     return out

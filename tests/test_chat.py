@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from serve.chat import ASSISTANT, BOS, EOS, USER, ChatTokenizer, render
+from serve.chat import ASSISTANT, BOS, CALLS_BEGIN, EOS, USER, ChatTokenizer, render, tools_text
 
 
 @pytest.fixture(scope="module")
@@ -69,3 +69,47 @@ def test_rendering_is_prefix_stable(tok):
 def test_unknown_role(tok):
     with pytest.raises(ValueError, match="role"):
         render(tok, [{"role": "robot", "content": "x"}])
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather for a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    },
+    {"type": "function", "function": {"name": "ls", "description": "List files."}},
+]
+
+
+def test_tool_schemas_follow_the_system_prompt(tok):
+    plain = render(tok, CONV)
+    r = render(tok, CONV, TOOLS)
+    assert plain.tools is None and r.tools is not None
+    t0, t1 = r.tools
+    sys_end = r.spans[0].end
+    assert t0 == sys_end  # right after the system message, before the user's
+    assert r.spans[1].start == t1
+    text = tok.decode(r.tokens[t0:t1])
+    assert text == tools_text(TOOLS)
+    assert "### get_weather" in text and '"city": {"type": "string"}' in text and "### ls" in text
+    assert tok.special(CALLS_BEGIN) in r.tokens[t0:t1]  # the format line's special tokens
+    # everything else is what it was without tools, shifted by the section
+    n = t1 - t0
+    assert r.tokens[:t0] == plain.tokens[:t0] and r.tokens[t1:] == plain.tokens[t0:]
+    for a, b in zip(plain.spans[1:], r.spans[1:], strict=True):
+        assert (b.start, b.content_start) == (a.start + n, a.content_start + n)
+    # prefix-stable with tools too
+    for k in range(1, len(CONV)):
+        a = render(tok, CONV[:k], TOOLS, add_generation_prompt=False).tokens
+        b = render(tok, CONV[: k + 1], TOOLS, add_generation_prompt=False).tokens
+        assert b[: len(a)] == a
+
+
+def test_tool_schemas_without_a_system_prompt(tok):
+    r = render(tok, CONV[1:], TOOLS)
+    assert r.tools[0] == 1 and r.spans[0].start == r.tools[1]  # right after BOS
+    only_system = render(tok, CONV[:1], TOOLS)
+    assert only_system.tools[0] == only_system.spans[0].end

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from leyline_jax.directives import Mode, apply_to_list, validate
-from serve.edits import detect_edits
+from serve.edits import detect_edits, edits_and_feed
 
 
 def test_stub_replacing_a_tool_output_is_one_directive_and_a_tail():
@@ -61,3 +61,30 @@ def test_derived_directives_rebuild_the_new_prompt(case, min_keep):
     assert apply_to_list(old, ds) + tail == new
     # no directive inserts at the very end: anything after old's last kept token is tail
     assert not ds or ds[-1].start < len(old)
+
+
+def test_a_prompt_ending_in_old_tokens_still_feeds_one():
+    """The new prompt inserts before tokens the old list ends with (a reply that happens to end
+    like the previous turn's output): the edits alone leave nothing to append. The tail then
+    holds the last token, and everything else still comes from the directives (a replay once
+    lost this tail and the session's tokens no longer matched its cache)."""
+    old = list(range(40)) + [7, 8, 9]  # ... plus a previous turn's output
+    new = list(range(40)) + [50, 51] + [7] + [52] * 20 + [8, 9]
+    ds, tail = detect_edits(old, new)
+    assert tail == [] and apply_to_list(old, ds) == new
+    ds, tail = edits_and_feed(old, new)
+    assert tail and tail[-1] == 9 and apply_to_list(old, ds) + tail == new
+    # an unchanged prompt: its last token is cut and fed again
+    ds, tail = edits_and_feed(old, old)
+    assert [(d.start, d.end) for d in ds] == [(42, 43)] and tail == [9]
+
+
+@settings(max_examples=300, deadline=None)
+@given(edited(), st.integers(1, 20))
+def test_edits_and_feed_always_feed_a_token(case, min_keep):
+    old, new = case
+    assume(new)  # an empty prompt is refused before edit detection
+    ds, tail = edits_and_feed(old, new, min_keep=min_keep)
+    assert len(tail) >= 1
+    assert validate(ds, len(old), vocab_size=6) == [d for d in ds if not d.is_noop]
+    assert apply_to_list(old, ds) + tail == new

@@ -371,3 +371,26 @@ def test_submit_prompt_derives_the_directives(model):
         assert same.stats.prefilled_tokens == 1
     assert outs["directive"] == outs["prompt"]
     assert outs["prompt"][1] == 70 + 2 - 45  # the kept tokens after the edit were spliced
+
+
+@pytest.mark.parametrize("mode", [ll.Mode.AMORTIZE, ll.Mode.FORGET])
+def test_prompt_ending_like_the_cached_tokens(model, mode):
+    """A new prompt whose last token is the session's last token (here: the previous output's
+    last token after an inserted block) leaves edit detection no tail; the turn still feeds a
+    token, and the session's tokens keep describing its cache. Its output equals a fresh
+    session's for the same prompt (the edits end at the end: nothing downstream to rotate)."""
+    rng = np.random.default_rng(13)
+    first = rng.integers(0, 256, 40).tolist()
+    engine = make_engine(model)
+    s = engine.open_session()
+    g = engine.submit(s, first, sampling=SamplingParams(4)).result()
+    a = (g[-1] + 1) % 256
+    new = first + rng.integers(0, 256, 30).tolist() + g[:-1] + [a, g[-1]]
+    r = engine.submit_prompt(s, new, mode=mode, sampling=SamplingParams(4))
+    out = r.result()
+    st = r.stats
+    assert st.prompt_tokens == len(new) and st.spliced_tokens == 0
+    assert st.reused_tokens + st.prefilled_tokens == len(new)
+    assert engine.sessions[s].tokens[: len(new)] == new
+    fresh = make_engine(model)
+    assert fresh.submit(fresh.open_session(), new, sampling=SamplingParams(4)).result() == out
