@@ -418,6 +418,11 @@ def apply_directive(
     return apply_directives(model, state, seq, [directive], impl=impl)
 
 
+def compile_counts() -> dict[str, int]:
+    """How many shapes the splice and truncate steps have compiled (for tests and benchmarks)."""
+    return {"splice": _splice_step._cache_size(), "truncate": _truncate_step._cache_size()}
+
+
 __all__ = [
     "Directive",
     "DirectiveError",
@@ -425,5 +430,6 @@ __all__ = [
     "apply_directive",
     "apply_directives",
     "apply_to_list",
+    "compile_counts",
     "plan_splice",
 ]

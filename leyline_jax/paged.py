@@ -374,11 +374,10 @@ def adopt(state: PagedKVState, seq: int, pages, tokens) -> PagedKVState:
 
 def compile_counts() -> dict[str, int]:
     """How many shapes each jitted step has compiled (for tests and benchmarks)."""
-    return {
-        "extend": _extend_step._cache_size(),
-        "decode": _decode_step._cache_size(),
-        "fill": _fill_step._cache_size(),
-    }
+    steps = {"extend": _extend_step, "decode": _decode_step, "fill": _fill_step}
+    ops = {"open": _open, "retain": _retain, "release": _release, "adopt": _adopt}
+    ops |= {"free": _free, "fork": _fork}
+    return {name: f._cache_size() for name, f in (steps | ops).items()}
 
 
 __all__ = [

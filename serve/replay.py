@@ -1,7 +1,8 @@
 """The replay benchmark: agent traces through the engine, three arms, several concurrencies.
 
     python -m serve.replay --traces FILE.jsonl --arms radix,amortize,forget \\
-        --concurrency 1,4,8,16 [--policy truncate --keep 2] [--model PATH] [--limit N] --out DIR
+        --concurrency 1,4,8,16 [--policy truncate --keep 2] [--model PATH] [--limit N]
+        [--sample N --seed S] --out DIR
 
 Each trace step is the request a harness sent (see `serve.traces`); with `--policy` the policy
 edits the message list first (older tool outputs stubbed). The request (messages and tool
@@ -15,7 +16,11 @@ counts), then served:
 - `forget`: the same, with FORGET directives (re-prefill from the first edit).
 
 C traces run at once (closed loop: a trace submits its next step when the previous one is
-done). Per (arm, concurrency) it reports, over all steps: prompt tokens, tokens reused as cached
+done). `--limit N` takes the first N traces, `--sample N` a seeded random sample of N (indices
+from `random.Random(seed)`, kept in file order). For each concurrency the arms run one after
+the other, so a noisy machine's drift hits them alike.
+
+Per (arm, concurrency) it reports, over all steps: prompt tokens, tokens reused as cached
 (`reused`), moved and rotated by AMORTIZE (`spliced`), run through the model (`prefilled`);
 `hit_rate` = (reused + spliced) / prompt (prompt tokens served from cache); end-to-end step
 latency (submit to last generated token) and time to first token, p50/p95 and mean; total wall
@@ -23,26 +28,31 @@ time. Writes DIR/results.json (one row per arm and concurrency), DIR/results.md,
 
 Models whose vocabulary is smaller than the tokenizer's (the embedded tiny default: 256) see
 token ids mapped by `id % vocab_size`; token counts are the real tokenizer's either way. Before
-the timed runs an untimed pass of the same replay compiles every shape it touches
-(`--no-warmup` skips it), so latencies are serving times, not compile times.
+the timed runs an untimed pass of each arm at the largest concurrency compiles the shapes the
+replay touches (`--no-warmup` skips it; `--compile-cache DIR` keeps compiled programs on disk
+for later runs), so latencies are serving times; `compiles` in each row counts the jitted
+shapes a timed run still had to compile (or load from the disk cache).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 from tqdm import tqdm
 
 import leyline_jax as ll
 from checkpoints.tiny import ensure_default_checkpoints
+from leyline_jax import paged
 from serve import policies, traces
 from serve.chat import ChatTokenizer, render
-from serve.engine import Engine, SamplingParams
+from serve.engine import Engine, SamplingParams, sample
 
 ARMS = ("radix", "amortize", "forget")
 KEYS = (
@@ -61,6 +71,7 @@ KEYS = (
     "ttft_p50_s",
     "ttft_p95_s",
     "total_s",
+    "compiles",
 )
 
 
@@ -78,6 +89,14 @@ def prompts(trace_list, tokenizer, vocab: int, policy_name, policy_kw) -> list[l
             steps.append([i % vocab for i in ids] if vocab < tokenizer.vocab_size else ids)
         out.append(steps)
     return out
+
+
+def seeded_sample(items: list, n: int, seed: int) -> list:
+    """n items drawn by `random.Random(seed)` (all of them if there are no more), in their
+    original order."""
+    if n >= len(items):
+        return list(items)
+    return [items[i] for i in sorted(random.Random(seed).sample(range(len(items)), n))]
 
 
 def _pct(values, q):
@@ -123,6 +142,7 @@ def run_arm(
             req = engine.submit_prompt(sid, work[t][k], mode=mode, sampling=sampling)
         live[t] = [k, sid, req]
 
+    compiled = _compiled()
     t0 = time.perf_counter()
     while pending or live:
         while pending and len(live) < concurrency:
@@ -157,6 +177,7 @@ def run_arm(
                 engine.close_session(sid)
                 del live[t]
     total = time.perf_counter() - t0
+    compiles = _compiled() - compiled
     bar.close()
     lat = [r["latency_s"] for r in records]
     ttft = [r["ttft_s"] for r in records]
@@ -176,8 +197,15 @@ def run_arm(
         ttft_p50_s=_pct(ttft, 50),
         ttft_p95_s=_pct(ttft, 95),
         total_s=total,
+        compiles=compiles,
     )
     return row, records
+
+
+def _compiled() -> int:
+    """Jitted shapes compiled so far by the serving steps (model steps and splices)."""
+    counts = paged.compile_counts() | ll.directives.compile_counts()
+    return sum(counts.values()) + sample._cache_size()
 
 
 def markdown(rows) -> str:
@@ -236,6 +264,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--model", default=None, help="checkpoint (default: the embedded tiny one)")
     ap.add_argument("--root", default=".checkpoints")
     ap.add_argument("--limit", type=int, default=None, help="first N traces")
+    ap.add_argument("--sample", type=int, default=None, help="a seeded random sample of N traces")
+    ap.add_argument("--seed", type=int, default=0, help="the sample's seed")
+    ap.add_argument("--compile-cache", default=None, help="keep compiled programs in DIR")
     ap.add_argument("--max-new", type=int, default=4, help="tokens generated per step")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--no-warmup", action="store_true")
@@ -250,10 +281,15 @@ def main(argv=None) -> list[dict]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
+    if args.compile_cache:
+        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     path = args.model or ensure_default_checkpoints(args.root)["deepseek_v3"]
     model = ll.load_model(path)
     tok = ChatTokenizer()
     trace_list = list(traces.read(args.traces, args.limit))
+    if args.sample is not None:
+        trace_list = seeded_sample(trace_list, args.sample, args.seed)
     kw = {"keep": args.keep} if args.policy else {}
     work = prompts(trace_list, tok, model.config.vocab_size, args.policy, kw)
     policy = f"{args.policy}(keep={args.keep})" if args.policy else "none"
@@ -261,12 +297,11 @@ def main(argv=None) -> list[dict]:
     if not args.no_warmup:
         t0 = time.perf_counter()
         for arm in arms:
-            for c in conc:
-                run_arm(model, work, arm, c, max_new=args.max_new, page_size=args.page_size)
-        print(f"warm-up pass (compiles every shape): {time.perf_counter() - t0:.1f} s")
+            run_arm(model, work, arm, max(conc), max_new=args.max_new, page_size=args.page_size)
+        print(f"warm-up pass (C={max(conc)}, each arm): {time.perf_counter() - t0:.1f} s")
     rows = []
-    for arm in arms:
-        for c in conc:
+    for c in conc:
+        for arm in arms:
             row, _ = run_arm(
                 model, work, arm, c, max_new=args.max_new, page_size=args.page_size, progress=True
             )
@@ -276,7 +311,7 @@ def main(argv=None) -> list[dict]:
                 f"{arm:9s} C={c:<3d} hit {row['hit_rate']:6.1%}  prefilled "
                 f"{row['prefilled_tokens']:8d}  spliced {row['spliced_tokens']:8d}  latency "
                 f"p50 {row['latency_p50_s'] * 1e3:8.1f} ms mean {row['latency_mean_s'] * 1e3:8.1f}"
-                f" ms  total {row['total_s']:.1f} s",
+                f" ms  total {row['total_s']:.1f} s  compiles {row['compiles']}",
                 flush=True,
             )
     (out / "results.json").write_text(json.dumps(rows, indent=2))

@@ -89,3 +89,11 @@ def test_command_line_writes_results(setup, tmp_path):
         )
     assert (tmp_path / "out" / "results.md").read_text().count("\n") == 6
     assert (tmp_path / "out" / "results.png").stat().st_size > 1000
+
+
+def test_seeded_sample():
+    items = list(range(100))
+    a = replay.seeded_sample(items, 10, seed=0)
+    assert a == replay.seeded_sample(items, 10, seed=0) == sorted(a) and len(set(a)) == 10
+    assert a != replay.seeded_sample(items, 10, seed=1) and a != items[:10]
+    assert replay.seeded_sample(items, 200, seed=0) == items
