@@ -28,10 +28,11 @@ time. Writes DIR/results.json (one row per arm and concurrency), DIR/results.md,
 
 Models whose vocabulary is smaller than the tokenizer's (the embedded tiny default: 256) see
 token ids mapped by `id % vocab_size`; token counts are the real tokenizer's either way. Before
-the timed runs an untimed pass of each arm at the largest concurrency compiles the shapes the
-replay touches (`--no-warmup` skips it; `--compile-cache DIR` keeps compiled programs on disk
-for later runs), so latencies are serving times; `compiles` in each row counts the jitted
-shapes a timed run still had to compile (or load from the disk cache).
+the timed runs an untimed pass of the same replay compiles every shape it touches
+(`--no-warmup` skips it; `--compile-cache DIR` keeps compiled programs on disk for later runs),
+so latencies are serving times, not compile times: `compiles` in each row counts the jitted
+shapes its timed run still had to compile (0 after the warm-up; a warm-up of fewer runs, e.g.
+only the largest concurrency, left some, and they landed on whichever arm ran first).
 """
 
 from __future__ import annotations
@@ -296,9 +297,10 @@ def main(argv=None) -> list[dict]:
     print(f"{len(work)} traces, {sum(len(w) for w in work)} steps, model {path}, policy {policy}")
     if not args.no_warmup:
         t0 = time.perf_counter()
-        for arm in arms:
-            run_arm(model, work, arm, max(conc), max_new=args.max_new, page_size=args.page_size)
-        print(f"warm-up pass (C={max(conc)}, each arm): {time.perf_counter() - t0:.1f} s")
+        for c in conc:
+            for arm in arms:
+                run_arm(model, work, arm, c, max_new=args.max_new, page_size=args.page_size)
+        print(f"warm-up pass (the same replay, untimed): {time.perf_counter() - t0:.1f} s")
     rows = []
     for c in conc:
         for arm in arms:
