@@ -18,7 +18,7 @@ sets=${SETS:-synthetic bfcl_long bfcl_base}
 for s in $sets; do
     case $s in
         synthetic) run synthetic .bench/synthetic.jsonl ;;
-        bfcl_long) run bfcl_long .bench/bfcl_long.jsonl --sample 32 --seed 0 ;;
-        bfcl_base) run bfcl_base .bench/bfcl_base.jsonl --sample 32 --seed 0 ;;
+        bfcl_long) run bfcl_long .bench/bfcl_long.jsonl --sample 16 --seed 0 ;;
+        bfcl_base) run bfcl_base .bench/bfcl_base.jsonl --sample 16 --seed 0 ;;
     esac
 done
