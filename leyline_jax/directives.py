@@ -78,9 +78,10 @@ class Directive:
 
 
 def apply_to_list(tokens: Sequence[int], directives: Sequence[Directive]) -> list[int]:
-    """The edited token list of an (already validated) batch: the semantics in plain Python."""
+    """The edited token list of a valid batch: the semantics in plain Python. No-ops are
+    skipped (validation allows one inside another directive's span)."""
     out, cursor = [], 0
-    for d in sorted(directives, key=lambda d: (d.start, d.end)):
+    for d in sorted((d for d in directives if not d.is_noop), key=lambda d: (d.start, d.end)):
         out += list(tokens[cursor : d.start]) + list(d.replacement)
         cursor = d.end
     return out + list(tokens[cursor:])

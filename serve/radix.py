@@ -72,8 +72,9 @@ class RadixCache:
             if child is None:
                 return
             k = self._common_pages(child, tokens, first)
+            whole = k == len(child.pages)  # decided before the caller may split `child`
             yield child, first, k
-            if k < len(child.pages):
+            if not whole:
                 return
             node, first = child, first + k
 

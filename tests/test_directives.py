@@ -278,3 +278,12 @@ def test_plan_is_consistent():
     assert plan.fills == [(13, (100, 101)), (18, (7, 7, 7))]
     with pytest.raises(ll.OutOfPagesError):
         plan_splice(toks, row, ds, 8, np.array([0, 2]), p)
+
+
+def test_apply_to_list_skips_a_noop_inside_another_span():
+    """Found by the property test: validation drops no-ops before its overlap check, so a no-op
+    inside a deletion is valid; the list semantics must ignore it too."""
+    toks = list(range(10))
+    ds = [ll.Directive(1, 1, []), ll.Directive(0, 2, [])]
+    assert validate(ds, 10, 256) == [ll.Directive(0, 2, [])]
+    assert apply_to_list(toks, ds) == list(range(2, 10))

@@ -51,6 +51,19 @@ def test_evict_lru_leaves_only_when_unreferenced():
     assert sorted(out) == [0, 1, 2] and r.pages() == [4]
 
 
+def test_insert_that_splits_an_edge_stops_there():
+    """Found by the property test below: inserting a path that leaves an edge mid-way splits
+    the edge; the walk must stop at the split and not continue into the lower half's children
+    (whose pages belong to another prefix)."""
+    r = RadixCache(PS)
+    r.insert(toks(0, 0), [0, 1])
+    r.insert(toks(0, 0, 1), [0, 1, 2])
+    assert r.insert(toks(0, 1), [5, 6]) == [6]  # (0) is cached; (0, 1) is new
+    assert r.match(toks(0, 1)) == ([0, 6], 2 * PS)
+    assert r.match(toks(0, 0, 1)) == ([0, 1, 2], 3 * PS)
+    assert sorted(r.pages()) == [0, 1, 2, 6]
+
+
 def test_purge_removes_the_path_from_the_page_of_start():
     r = RadixCache(PS)
     r.insert(toks(1, 2, 3, 4), [0, 1, 2, 3])
