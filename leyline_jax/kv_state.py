@@ -345,7 +345,7 @@ def tokens(state: PagedKVState, seq: int) -> list[int]:
     meta = host_meta(state)
     check_seq(meta, state, seq, must_be_open=True)
     n = int(meta["lengths"][seq])
-    return [int(x) for x in np.asarray(state.token_ids[seq, :n])]
+    return [int(x) for x in np.asarray(state.token_ids[seq])[:n]]
 
 
 def check_seq(meta, state: PagedKVState, seq, *, must_be_open: bool) -> int:

@@ -442,7 +442,7 @@ class Engine:
         n = min(s.clean, s.cached) // ps
         if n == 0:
             return
-        row = np.asarray(self.state.page_table[s.seq, :n])
+        row = np.asarray(self.state.page_table[s.seq])[:n]  # one shape, whatever n is
         taken = self.radix.insert(s.tokens[: n * ps], [int(p) for p in row])
         if taken:
             self.state = paged.retain(self.state, taken)
