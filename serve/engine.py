@@ -240,7 +240,7 @@ class Engine:
     ) -> Request:
         """Queue a turn given as the whole prompt (what an unmodified harness sends): when it
         runs, the difference from the session's tokens becomes directives in `mode` plus the
-        appended tail (`serve.edits.detect_edits`)."""
+        appended tail (`serve.edits.edits_and_feed`)."""
         s = self._session(session)
         toks = [int(t) for t in prompt]
         if not toks:
