@@ -526,8 +526,10 @@ class Engine:
     # ---- device steps -------------------------------------------------------------------------
     def _prefill_batch(self) -> None:
         rows = [r for r in self._running() if r.status == "prefill"]
-        if not rows:
-            return
+        for group in self._by_shape(rows, [min(len(r.pending), self.prefill_chunk) for r in rows]):
+            self._prefill_rows(group)
+
+    def _prefill_rows(self, rows: list[Request]) -> None:
         blocks = [r.pending[: self.prefill_chunk] for r in rows]
         self.state, logits = paged.extend(
             self.model, self.state, [r.session.seq for r in rows], blocks, graph=self.graph
@@ -549,8 +551,10 @@ class Engine:
 
     def _decode_batch(self) -> None:
         rows = [r for r in self._running() if r.status == "decode"]
-        if not rows:
-            return
+        for group in self._by_shape(rows, [1] * len(rows)):
+            self._decode_rows(group)
+
+    def _decode_rows(self, rows: list[Request]) -> None:
         seqs = [r.session.seq for r in rows]
         last = [r.output[-1] for r in rows]
         self.state, logits = paged.decode(self.model, self.state, seqs, last, graph=self.graph)
@@ -561,6 +565,20 @@ class Engine:
                 s.clean += 1
             s.cached += 1
         self._emit(rows, logits)
+
+    def _by_shape(self, rows: list[Request], counts: list[int]) -> list[list[Request]]:
+        """Rows split by the padded shape their step would take: the page-table width after
+        appending (bucketed) and the tokens appended (bucketed). A batched step pads every row
+        to its widest and longest member, so one 40k-token session in a batch of short ones
+        would make each row attend over 40k slots; grouped, each pays for its own bucket.
+        Groups run shortest first; the order within a group is the running order."""
+        groups: dict[tuple[int, int], list[Request]] = {}
+        cap = self.state.max_pages_per_seq
+        for r, n in zip(rows, counts, strict=True):
+            pages = -(-(r.session.cached + n) // self.page_size)
+            key = (paged.bucket(pages, maximum=cap), paged.bucket(n, paged.MIN_TOKEN_BUCKET))
+            groups.setdefault(key, []).append(r)
+        return [groups[k] for k in sorted(groups)]
 
     def _emit(self, rows: list[Request], logits) -> None:
         """Sample one token for each row and finish the turns that are done."""

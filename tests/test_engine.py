@@ -388,3 +388,36 @@ def test_prompt_ending_like_the_cached_tokens(model, mode):
     assert engine.sessions[s].tokens[: len(new)] == new
     fresh = make_engine(model)
     assert fresh.submit(fresh.open_session(), new, sampling=SamplingParams(4)).result() == out
+
+
+def test_rows_are_grouped_by_padded_shape(model, monkeypatch):
+    """A long session does not widen the steps of short ones: each batched step's page-table
+    width is that of its own rows, and tokens are what each session alone would decode."""
+    calls = []
+    rows = paged._rows
+
+    def spy(state, meta, seqs, blocks, min_tokens):
+        out = rows(state, meta, seqs, blocks, min_tokens)
+        calls.append((list(seqs), max(map(len, blocks)), out[3]))
+        return out
+
+    monkeypatch.setattr(paged, "_rows", spy)
+    engine = make_engine(model)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (300, 5, 6, 7)]  # 38 pages vs 1
+    sids = [engine.open_session() for _ in prompts]
+    reqs = [
+        engine.submit(s, p, sampling=SamplingParams(max_new_tokens=4))
+        for s, p in zip(sids, prompts, strict=True)
+    ]
+    engine.run_until_idle()
+    long_seq = engine.sessions[sids[0]].seq
+    short = {engine.sessions[s].seq for s in sids[1:]}
+    mixed = [c for c in calls if long_seq in c[0] and short & set(c[0])]
+    assert not mixed, mixed
+    assert any(len(c[0]) == 3 and c[2] == 1 for c in calls)  # the short ones still batch
+    for p, r in zip(prompts, reqs, strict=True):
+        solo = make_engine(model)
+        want = solo.submit(solo.open_session(), p, sampling=SamplingParams(max_new_tokens=4))
+        solo.run_until_idle()
+        assert r.result() == want.result()
