@@ -212,16 +212,16 @@ def _compiled() -> int:
 def markdown(rows) -> str:
     head = (
         "| policy | arm | C | hit rate | prompt | reused | spliced | prefilled | "
-        "latency p50 | p95 | mean | TTFT p50 | total |"
+        "latency p50 | p95 | mean | TTFT p50 | total | compiles |"
     )
-    lines = [head, "|" + "---|" * 2 + "---:|" * 11]
+    lines = [head, "|" + "---|" * 2 + "---:|" * 12]
     for r in rows:
         lines.append(
             f"| {r['policy']} | {r['arm']} | {r['concurrency']} | {r['hit_rate']:.1%} | "
             f"{r['prompt_tokens']} | {r['reused_tokens']} | {r['spliced_tokens']} | "
             f"{r['prefilled_tokens']} | {r['latency_p50_s'] * 1e3:.1f} ms | "
             f"{r['latency_p95_s'] * 1e3:.1f} ms | {r['latency_mean_s'] * 1e3:.1f} ms | "
-            f"{r['ttft_p50_s'] * 1e3:.1f} ms | {r['total_s']:.1f} s |"
+            f"{r['ttft_p50_s'] * 1e3:.1f} ms | {r['total_s']:.1f} s | {r['compiles']} |"
         )
     return "\n".join(lines) + "\n"
 

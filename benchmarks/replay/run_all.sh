@@ -4,6 +4,12 @@
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
 mkdir -p .bench
+# Every XLA program compiled in one process maps memory; the long_context replay compiles
+# thousands of shapes and died at the default limit (65530) with "LLVM compilation error:
+# Cannot allocate memory". The results were measured with the limit raised.
+if [ "$(cat /proc/sys/vm/max_map_count 2>/dev/null || echo 0)" -lt 262144 ]; then
+    echo "warning: vm.max_map_count < 262144; raise it (sysctl -w vm.max_map_count=262144)" >&2
+fi
 [ -f .bench/synthetic.jsonl ] || $PY -m serve.traces --sessions 16 --turns 6 --tool-words 900 --seed 0 --out .bench/synthetic.jsonl
 [ -f .bench/bfcl_long.jsonl ] || $PY -m serve.traces --bfcl long_context --out .bench/bfcl_long.jsonl
 [ -f .bench/bfcl_base.jsonl ] || $PY -m serve.traces --bfcl base --out .bench/bfcl_base.jsonl
@@ -18,7 +24,9 @@ sets=${SETS:-synthetic bfcl_long bfcl_base}
 for s in $sets; do
     case $s in
         synthetic) run synthetic .bench/synthetic.jsonl ;;
-        bfcl_long) run bfcl_long .bench/bfcl_long.jsonl --sample 16 --seed 0 ;;
+        # No untimed warm-up pass here: one pass of this set takes over an hour on 2 cores. The
+        # compiles column says how many shapes each timed row compiled or loaded from .jax_cache.
+        bfcl_long) run bfcl_long .bench/bfcl_long.jsonl --sample 16 --seed 0 --no-warmup ;;
         bfcl_base) run bfcl_base .bench/bfcl_base.jsonl --sample 16 --seed 0 ;;
     esac
 done
