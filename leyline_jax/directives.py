@@ -272,7 +272,7 @@ def _phases(config, length: int) -> jax.Array:
 def _fill(model: MLAModel, state: PagedKVState, seq: int, start: int, tokens: Sequence[int]):
     t = paged.bucket(len(tokens), paged.MIN_TOKEN_BUCKET)
     end = start + len(tokens)
-    width = paged.bucket(-(-end // state.page_size), maximum=state.max_pages_per_seq)
+    width = paged.page_width(state, end)
     graphdef, params = nnx.split(model)
     state, _ = paged._fill_step(
         graphdef,

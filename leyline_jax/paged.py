@@ -38,6 +38,11 @@ def bucket(n: int, minimum: int = 1, maximum: int | None = None) -> int:
     return b if maximum is None else min(b, maximum)
 
 
+def page_width(state: PagedKVState, length: int) -> int:
+    """Page-table width (bucketed) of a step whose rows hold at most `length` tokens."""
+    return bucket(-(-length // state.page_size), maximum=state.max_pages_per_seq)
+
+
 # ---- the model over a paged cache (traced inside the jitted steps) ---------------------------
 def _forward_paged(
     model: MLAModel, state: PagedKVState, tokens, positions, slots, pages, mask, *, absorbed: bool
@@ -177,7 +182,7 @@ def _rows(state: PagedKVState, meta, seqs: list, blocks: list, min_tokens: int):
     repeat the first sequence with count 0: they append and write nothing."""
     b, t = bucket(len(seqs)), bucket(max(len(x) for x in blocks), min_tokens)
     longest = max(int(meta["lengths"][s]) + len(x) for s, x in zip(seqs, blocks, strict=True))
-    width = bucket(-(-longest // state.page_size), maximum=state.max_pages_per_seq)
+    w = page_width(state, longest)
     pad_seqs = np.full(b, seqs[0], np.int32)
     pad_seqs[: len(seqs)] = seqs
     pad_toks = np.zeros((b, t), np.int32)
@@ -185,7 +190,7 @@ def _rows(state: PagedKVState, meta, seqs: list, blocks: list, min_tokens: int):
     for i, x in enumerate(blocks):
         pad_toks[i, : len(x)] = x
         counts[i] = len(x)
-    return jnp.asarray(pad_seqs), jnp.asarray(pad_toks), jnp.asarray(counts), width
+    return jnp.asarray(pad_seqs), jnp.asarray(pad_toks), jnp.asarray(counts), w
 
 
 def _check_appends(state: PagedKVState, seqs: list, counts: list):
@@ -241,7 +246,6 @@ def prefill(
         padded = np.zeros(bucket(len(chunk), MIN_TOKEN_BUCKET), np.int32)
         padded[: len(chunk)] = chunk
         end = length + a + len(chunk)
-        width = bucket(-(-end // state.page_size), maximum=state.max_pages_per_seq)
         state, logits = _extend_step(
             graphdef,
             params,
@@ -249,7 +253,7 @@ def prefill(
             jnp.asarray([seq], jnp.int32),
             jnp.asarray(padded[None]),
             jnp.asarray([len(chunk)], jnp.int32),
-            width=width,
+            width=page_width(state, end),
         )
     return state, logits[0]
 
@@ -384,6 +388,7 @@ __all__ = [
     "OutOfPagesError",
     "SequenceError",
     "bucket",
+    "page_width",
     "compile_counts",
     "decode",
     "extend",

@@ -281,7 +281,7 @@ class Engine:
 
     def step(self) -> None:
         """One iteration: admissions (and their directives), one prefill batch, one decode
-        batch."""
+        batch (each run as one step per padded shape, see `_by_shape`)."""
         self._admit()
         self._prefill_batch()
         self._decode_batch()
@@ -573,10 +573,9 @@ class Engine:
         would make each row attend over 40k slots; grouped, each pays for its own bucket.
         Groups run shortest first; the order within a group is the running order."""
         groups: dict[tuple[int, int], list[Request]] = {}
-        cap = self.state.max_pages_per_seq
         for r, n in zip(rows, counts, strict=True):
-            pages = -(-(r.session.cached + n) // self.page_size)
-            key = (paged.bucket(pages, maximum=cap), paged.bucket(n, paged.MIN_TOKEN_BUCKET))
+            w = paged.page_width(self.state, r.session.cached + n)
+            key = (w, paged.bucket(n, paged.MIN_TOKEN_BUCKET))
             groups.setdefault(key, []).append(r)
         return [groups[k] for k in sorted(groups)]
 
