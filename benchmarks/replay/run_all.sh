@@ -5,7 +5,7 @@ set -euo pipefail
 PY=${PY:-.venv/bin/python}
 mkdir -p .bench
 # Every XLA program compiled in one process maps memory; the long_context replay compiles
-# thousands of shapes and died at the default limit (65530) with "LLVM compilation error:
+# many shapes and died at the default limit (65530) with "LLVM compilation error:
 # Cannot allocate memory". The results were measured with the limit raised.
 if [ "$(cat /proc/sys/vm/max_map_count 2>/dev/null || echo 0)" -lt 262144 ]; then
     echo "warning: vm.max_map_count < 262144; raise it (sysctl -w vm.max_map_count=262144)" >&2
