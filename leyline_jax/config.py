@@ -14,6 +14,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 FAMILIES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")
 
 # Routing rules, one per family behaviour (see `leyline_jax.model.route`).
@@ -25,6 +27,41 @@ ROUTERS = (ROUTER_SOFTMAX_GREEDY, ROUTER_SOFTMAX_GROUP_LIMITED, ROUTER_SIGMOID_G
 
 class ConfigError(ValueError):
     """A configuration the model cannot honour (unknown family, unsupported field value)."""
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def check_ids(values, limit: int, what: str, *, allow_empty: bool = False) -> np.ndarray:
+    """Integer ids checked on the host: a 1-D sequence or array of integers (bools, floats and
+    strings are refused, not coerced) in [0, limit). Returns them as i32[n] (numpy). Raises
+    ValueError naming the first bad one (`what`: "token id", "page id", ...)."""
+    if isinstance(values, (list, tuple)):
+        for v in values:
+            if not _is_int(v):
+                raise ValueError(f"{what} {v!r} is not an integer")
+            if not 0 <= v < limit:
+                raise ValueError(f"{what} {v} is outside [0, {limit})")
+        arr = np.asarray(values, np.int64).reshape(len(values))
+    else:
+        arr = np.asarray(values)
+        if arr.ndim != 1:
+            raise ValueError(f"{what}s must be a 1-D array, got shape {arr.shape}")
+        if arr.size and not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"{what}s must be integers, got dtype {arr.dtype}")
+        if arr.size:
+            lo, hi = int(arr.min()), int(arr.max())
+            if lo < 0 or hi >= limit:
+                raise ValueError(f"{what} {lo if lo < 0 else hi} is outside [0, {limit})")
+    if arr.size == 0 and not allow_empty:
+        raise ValueError(f"a non-empty 1-D array of {what}s is needed")
+    return arr.astype(np.int32)
+
+
+def check_tokens(tokens, vocab_size: int, *, allow_empty: bool = False) -> np.ndarray:
+    """Token ids checked on the host (see `check_ids`): i32[T] in the vocabulary."""
+    return check_ids(tokens, vocab_size, "token id", allow_empty=allow_empty)
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -178,6 +215,10 @@ class MLAConfig:
         """From a Hugging Face `config.json`: a checkpoint directory, the file, or its dict."""
         if isinstance(path_or_dict, Mapping):
             hf = dict(path_or_dict)
+        elif not isinstance(path_or_dict, (str, os.PathLike)):
+            raise ConfigError(
+                f"a config is a path or a JSON object (a mapping), got {type(path_or_dict)}"
+            )
         else:
             path = os.fspath(path_or_dict)
             if os.path.isdir(path):
@@ -254,16 +295,38 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
-def _from_hf_dict(hf: dict[str, Any]) -> MLAConfig:
+def _integer(key: str, value, minimum: int) -> int:
+    if not _is_int(value) or value < minimum:
+        raise ConfigError(f"{key}={value!r} must be an integer >= {minimum}")
+    return int(value)
+
+
+def _real(key: str, value, *, positive: bool = False) -> float:
+    ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+    if not ok or not math.isfinite(value) or (positive and value <= 0):
+        raise ConfigError(f"{key}={value!r} must be a finite number{' > 0' if positive else ''}")
+    return float(value)
+
+
+def _optional_real(key: str, value) -> float | None:
+    return None if value is None else _real(key, value)
+
+
+def _from_hf_dict(hf) -> MLAConfig:
+    if not isinstance(hf, Mapping):
+        raise ConfigError(f"config.json must hold a JSON object, got {type(hf).__name__}")
     family = hf.get("model_type")
     if family not in FAMILIES:
         raise ConfigError(f"unknown model_type {family!r}: supported are {FAMILIES}")
     hf = {**_FAMILY_DEFAULTS[family], **hf}  # an explicit null stays null, as in transformers
 
-    def need(key):
+    def need(key, minimum=1):
         if hf.get(key) is None:
             raise ConfigError(f"{family} config.json is missing {key!r}")
-        return hf[key]
+        return _integer(key, hf[key], minimum)
+
+    def count(key, default, minimum=0):  # an integer field where null / 0 means `default`
+        return _integer(key, hf.get(key) or default, minimum)
 
     def refuse(key, ok, why):
         if key in hf and hf[key] is not None and not ok(hf[key]):
@@ -282,9 +345,12 @@ def _from_hf_dict(hf: dict[str, Any]) -> MLAConfig:
     )
     refuse("partial_rotary_factor", lambda v: v == 1 or v == 1.0, "partial RoPE is not modelled")
 
-    layers = int(need("num_hidden_layers"))
+    layers = need("num_hidden_layers")
 
     # ---- RoPE: new-style `rope_parameters`, or old-style `rope_theta` + `rope_scaling` -----
+    for key in ("rope_parameters", "rope_scaling"):
+        if hf.get(key) is not None and not isinstance(hf[key], Mapping):
+            raise ConfigError(f"{key}={hf[key]!r} must be a JSON object")
     rope = dict(hf.get("rope_parameters") or {})
     old = hf.get("rope_scaling") or {}
     for k, v in old.items():
@@ -297,20 +363,29 @@ def _from_hf_dict(hf: dict[str, Any]) -> MLAConfig:
         raise ConfigError(f"rope_type={rope_type!r} is not supported (default, yarn)")
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         raise ConfigError("rope_parameters.partial_rotary_factor != 1 is not supported")
+    if hf.get("rope_theta") is not None:  # checked even where rope_parameters overrides it
+        _real("rope_theta", hf["rope_theta"], positive=True)
     theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-    rope_kw: dict[str, Any] = {"rope_theta": float(theta), "rope_type": rope_type}
+    rope_kw: dict[str, Any] = {
+        "rope_theta": _real("rope_theta", theta, positive=True),
+        "rope_type": rope_type,
+    }
     if rope_type == "yarn":
         omax = hf.get("original_max_position_embeddings") or rope.get(
             "original_max_position_embeddings", hf.get("max_position_embeddings")
         )
         rope_kw.update(
-            rope_factor=rope.get("factor"),
-            rope_original_max_position_embeddings=int(omax),
-            rope_beta_fast=float(rope.get("beta_fast") or 32),
-            rope_beta_slow=float(rope.get("beta_slow") or 1),
-            rope_mscale=rope.get("mscale"),
-            rope_mscale_all_dim=rope.get("mscale_all_dim"),
-            rope_attention_factor=rope.get("attention_factor"),
+            rope_factor=None
+            if rope.get("factor") is None
+            else _real("rope factor", rope["factor"], positive=True),
+            rope_original_max_position_embeddings=_integer(
+                "original_max_position_embeddings", omax, 1
+            ),
+            rope_beta_fast=_real("beta_fast", rope.get("beta_fast") or 32),
+            rope_beta_slow=_real("beta_slow", rope.get("beta_slow") or 1),
+            rope_mscale=_optional_real("mscale", rope.get("mscale")),
+            rope_mscale_all_dim=_optional_real("mscale_all_dim", rope.get("mscale_all_dim")),
+            rope_attention_factor=_optional_real("attention_factor", rope.get("attention_factor")),
             rope_truncate=bool(rope.get("truncate", True)),
         )
     # V2 applies RoPE on complex views of interleaved pairs; V3/GLM honour `rope_interleave`.
@@ -320,7 +395,7 @@ def _from_hf_dict(hf: dict[str, Any]) -> MLAConfig:
     if family == "glm4_moe_lite":
         types = hf.get("mlp_layer_types") or ["dense"] + ["sparse"] * (layers - 1)
     else:
-        k = int(hf.get("first_k_dense_replace") or 0)
+        k = count("first_k_dense_replace", 0)
         types = ["dense"] * min(k, layers) + ["sparse"] * max(layers - k, 0)
     types = tuple(types)
 
@@ -342,49 +417,54 @@ def _from_hf_dict(hf: dict[str, Any]) -> MLAConfig:
             "the deepseek_v2 reference never normalises top-k weights",
         )
         norm_topk = False
-        n_group = int(hf.get("n_group") or 1)
-        topk_group = int(hf.get("topk_group") or 1)
+        n_group = count("n_group", 1, 1)
+        topk_group = count("topk_group", 1, 1)
     else:
         refuse("scoring_func", lambda v: v == "sigmoid", f"{family} routes with sigmoid scores")
         refuse("topk_method", lambda v: v == "noaux_tc", f"{family} routes with noaux_tc")
         router = ROUTER_SIGMOID_GROUPED
         norm_topk = bool(hf["norm_topk_prob"])
-        n_group = int(hf.get("n_group") or 1)
-        topk_group = int(hf.get("topk_group") or 1)
+        n_group = count("n_group", 1, 1)
+        topk_group = count("topk_group", 1, 1)
 
     if family == "deepseek_v3":
-        mtp = int(hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 1)) or 0)
+        mtp = hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 1))
+        mtp = _integer("num_nextn_predict_layers", mtp or 0, 0)
     elif family == "glm4_moe_lite":
-        mtp = int(hf.get("num_nextn_predict_layers", 1) or 0)
+        mtp = _integer("num_nextn_predict_layers", hf.get("num_nextn_predict_layers", 1) or 0, 0)
     else:
         mtp = 0
 
     q_lora = hf.get("q_lora_rank")
     return MLAConfig(
         model_type=family,
-        vocab_size=int(need("vocab_size")),
-        hidden_size=int(need("hidden_size")),
+        vocab_size=need("vocab_size"),
+        hidden_size=need("hidden_size"),
         num_hidden_layers=layers,
-        num_attention_heads=int(need("num_attention_heads")),
-        intermediate_size=int(need("intermediate_size")),
-        kv_lora_rank=int(need("kv_lora_rank")),
-        qk_nope_head_dim=int(need("qk_nope_head_dim")),
-        qk_rope_head_dim=int(need("qk_rope_head_dim")),
-        v_head_dim=int(need("v_head_dim")),
-        q_lora_rank=None if q_lora is None else int(q_lora),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+        num_attention_heads=need("num_attention_heads"),
+        intermediate_size=need("intermediate_size"),
+        kv_lora_rank=need("kv_lora_rank"),
+        qk_nope_head_dim=need("qk_nope_head_dim"),
+        qk_rope_head_dim=need("qk_rope_head_dim"),
+        v_head_dim=need("v_head_dim"),
+        q_lora_rank=None if q_lora is None else _integer("q_lora_rank", q_lora, 1),
+        rms_norm_eps=_real("rms_norm_eps", hf.get("rms_norm_eps", 1e-6), positive=True),
+        max_position_embeddings=_integer(
+            "max_position_embeddings", hf.get("max_position_embeddings", 4096), 1
+        ),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         rope_interleave=interleave,
         mlp_layer_types=types,
-        moe_intermediate_size=int(hf.get("moe_intermediate_size") or 0),
-        n_routed_experts=int(hf.get("n_routed_experts") or 0),
-        n_shared_experts=int(hf.get("n_shared_experts") or 0),
-        num_experts_per_tok=int(hf.get("num_experts_per_tok") or 0),
+        moe_intermediate_size=count("moe_intermediate_size", 0),
+        n_routed_experts=count("n_routed_experts", 0),
+        n_shared_experts=count("n_shared_experts", 0),
+        num_experts_per_tok=count("num_experts_per_tok", 0),
         n_group=n_group,
         topk_group=topk_group,
         router=router,
-        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+        routed_scaling_factor=_real(
+            "routed_scaling_factor", hf.get("routed_scaling_factor", 1.0), positive=True
+        ),
         norm_topk_prob=norm_topk,
         num_mtp_layers=mtp,
         **rope_kw,

@@ -69,12 +69,13 @@ class PagedKVState:
     page_table: jax.Array  # i32[max_seqs, max_pages]; unused entries = P
     lengths: jax.Array  # i32[max_seqs] tokens cached per sequence
     positions: jax.Array  # i32[max_seqs] position of each sequence's next token
-    token_ids: jax.Array  # i32[max_seqs, max_pages * page_size]
+    token_ids: jax.Array  # i32[max_seqs, max_seq_len]
     active: jax.Array  # bool[max_seqs] open sequences
     refcount: jax.Array  # i32[P] references to each page; 0 = free
     page_size: int = dataclasses.field(metadata=dict(static=True))
     kv_dtype: jnp.dtype = dataclasses.field(metadata=dict(static=True))  # what c_kv's bits mean
     k_pe_dtype: jnp.dtype = dataclasses.field(metadata=dict(static=True))
+    vocab_size: int = dataclasses.field(metadata=dict(static=True))  # token ids are < this
 
     @property
     def num_pages(self) -> int:
@@ -90,6 +91,7 @@ class PagedKVState:
 
     @property
     def max_seq_len(self) -> int:
+        """Most tokens one sequence may hold (exact: not rounded to whole pages)."""
         return self.token_ids.shape[1]
 
     @property
@@ -115,12 +117,25 @@ def init_state(
     stays at the fresh-prefill error however many splices it takes (4e-4 at positions up to
     1e5; `benchmarks/drift_study.py`). The price is ~11% more cache for DeepSeek shapes (a
     token's 512 bf16 + 64 fp32 values against 576 bf16). `max_seq_len` bounds one sequence
-    (default: the whole pool, capped by the model's max_position_embeddings).
+    (default: the whole pool, capped by the model's max_position_embeddings; an explicit
+    value may go past it: positions the model was not trained for are the caller's choice, as
+    with a serving stack's max-model-length override). Raises ValueError naming a bad
+    argument.
     """
-    if num_pages < 1 or page_size < 1 or max_seqs < 1:
-        raise ValueError("num_pages, page_size and max_seqs must be positive")
+    for name, v in (("num_pages", num_pages), ("page_size", page_size), ("max_seqs", max_seqs)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise ValueError(f"{name}={v!r} must be a positive integer")
+    num_pages, page_size, max_seqs = int(num_pages), int(page_size), int(max_seqs)
+    limit = config.max_position_embeddings
     if max_seq_len is None:
-        max_seq_len = min(num_pages * page_size, config.max_position_embeddings)
+        max_seq_len = min(num_pages * page_size, limit)
+    elif (
+        isinstance(max_seq_len, bool)
+        or not isinstance(max_seq_len, (int, np.integer))
+        or max_seq_len < 1
+    ):
+        raise ValueError(f"max_seq_len={max_seq_len!r} must be a positive integer")
+    max_seq_len = int(max_seq_len)
     max_pages = -(-max_seq_len // page_size)
     kv_dtype = jnp.dtype(kv_dtype)
     k_pe_dtype = jnp.dtype(jnp.float32 if k_pe_dtype is None else k_pe_dtype)
@@ -138,12 +153,13 @@ def init_state(
         page_table=jnp.full((max_seqs, max_pages), num_pages, jnp.int32),
         lengths=jnp.zeros((max_seqs,), jnp.int32),
         positions=jnp.zeros((max_seqs,), jnp.int32),
-        token_ids=jnp.zeros((max_seqs, max_pages * page_size), jnp.int32),
+        token_ids=jnp.zeros((max_seqs, max_seq_len), jnp.int32),
         active=jnp.zeros((max_seqs,), bool),
         refcount=jnp.zeros((num_pages,), jnp.int32),
         page_size=page_size,
         kv_dtype=kv_dtype,
         k_pe_dtype=k_pe_dtype,
+        vocab_size=config.vocab_size,
     )
 
 
@@ -338,6 +354,15 @@ def host_meta(state: PagedKVState) -> dict[str, np.ndarray]:
     """Page tables, lengths, open flags and refcounts on the host (one small transfer)."""
     pt, ln, ac, rc = jax.device_get((state.page_table, state.lengths, state.active, state.refcount))
     return {"page_table": pt, "lengths": ln, "active": ac, "refcount": rc}
+
+
+def table_references(meta, page_size: int, num_pages: int) -> np.ndarray:
+    """i32[P]: how many open sequences' page tables list each page (within their lengths)."""
+    counts = np.zeros(num_pages, np.int32)
+    for q in np.flatnonzero(meta["active"]):
+        used = meta["page_table"][q, : -(-int(meta["lengths"][q]) // page_size)]
+        np.add.at(counts, used[used < num_pages], 1)
+    return counts
 
 
 def tokens(state: PagedKVState, seq: int) -> list[int]:

@@ -228,8 +228,15 @@ def read_safetensors(path: str | os.PathLike, *, progress: bool | None = None) -
         try:
             with open(index) as f:
                 weight_map = json.load(f)["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+        except (json.JSONDecodeError, KeyError, TypeError, IndexError) as e:
             raise CheckpointError(f"{index} is not a valid safetensors index: {e!r}") from e
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            raise CheckpointError(
+                f"{index} is not a valid safetensors index: weight_map must map tensor names "
+                "to shard file names (strings)"
+            )
         files: dict[str, list[str]] = {}
         for name, fname in weight_map.items():
             files.setdefault(os.path.join(path, fname), []).append(name)

@@ -23,6 +23,7 @@ from leyline_jax.config import (
     ROUTER_SOFTMAX_GREEDY,
     ROUTER_SOFTMAX_GROUP_LIMITED,
     MLAConfig,
+    check_tokens,
 )
 
 # q_a_layernorm and kv_a_layernorm use eps 1e-6 whatever rms_norm_eps says (as the reference).
@@ -342,23 +343,9 @@ class MLAModel(nnx.Module):
         Raises ValueError for a token array that is not 1-D, empty, or holds ids outside
         [0, vocab_size).
         """
-        tokens = check_tokens(tokens, self.config.vocab_size)
+        tokens = jnp.asarray(check_tokens(tokens, self.config.vocab_size))
         graphdef, state = nnx.split(self)
         return _forward_jit(graphdef, state, tokens)
-
-
-def check_tokens(tokens, vocab_size: int) -> jnp.ndarray:
-    """Validate a 1-D array of token ids on the host; returns it as i32."""
-    arr = np.asarray(tokens)
-    if arr.ndim != 1 or arr.size == 0:
-        raise ValueError(f"tokens must be a non-empty 1-D array, got shape {arr.shape}")
-    if not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"tokens must be integers, got dtype {arr.dtype}")
-    lo, hi = int(arr.min()), int(arr.max())
-    if lo < 0 or hi >= vocab_size:
-        bad = lo if lo < 0 else hi
-        raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
-    return jnp.asarray(arr, jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -24,8 +24,9 @@ import numpy as np
 from flax import nnx
 
 from leyline_jax import kv_state as kv
+from leyline_jax.config import check_ids, check_tokens
 from leyline_jax.kv_state import OutOfPagesError, PagedKVState, SequenceError
-from leyline_jax.model import MLAModel, check_tokens, mla_attention
+from leyline_jax.model import MLAModel, mla_attention
 
 MIN_TOKEN_BUCKET = 16
 # Longer prefills run in chunks of this many tokens (bounds the [N, T, S] score buffer).
@@ -194,13 +195,15 @@ def _rows(state: PagedKVState, meta, seqs: list, blocks: list, min_tokens: int):
 
 
 def _check_appends(state: PagedKVState, seqs: list, counts: list):
-    """Host checks for appending counts[i] tokens to open, distinct seqs[i]; returns the meta."""
+    """Host checks for appending counts[i] tokens to open, distinct seqs[i] (ints, not
+    coerced); returns the meta."""
+    meta = kv.host_meta(state)
+    for s in seqs:
+        kv.check_seq(meta, state, s, must_be_open=True)
     if len(set(seqs)) != len(seqs):
         raise SequenceError(f"a sequence appears twice in one step: {seqs}")
-    meta = kv.host_meta(state)
     need = 0
     for s, n in zip(seqs, counts, strict=True):
-        kv.check_seq(meta, state, s, must_be_open=True)
         length = int(meta["lengths"][s])
         _check_room(state, s, length, n)
         need += int(
@@ -225,7 +228,7 @@ def prefill(
     `ValueError` for bad tokens, `SequenceError` for a bad sequence id or an overlong sequence,
     `OutOfPagesError` when the pool is short — all before the state changes. Donates `state`.
     """
-    toks = np.asarray(check_tokens(tokens, model.config.vocab_size))
+    toks = check_tokens(tokens, model.config.vocab_size)
     meta = kv.host_meta(state)
     seq = kv.check_seq(meta, state, seq, must_be_open=False)
     is_new = not meta["active"][seq]
@@ -271,8 +274,8 @@ def extend(
     `PREFILL_CHUNK` tokens. Returns the new state and float32 logits [len(seqs), vocab] after
     each block's last token. Raises like `decode`, before the state changes. Donates `state`.
     `graph`: `nnx.split(model)` made once by a caller that steps often (saves the split)."""
-    seqs = [int(s) for s in seqs]
-    blocks = [np.asarray(check_tokens(t, model.config.vocab_size)) for t in tokens]
+    seqs = list(seqs)
+    blocks = [check_tokens(t, model.config.vocab_size) for t in tokens]
     if len(seqs) != len(blocks) or not seqs:
         raise ValueError(f"{len(seqs)} sequences but {len(blocks)} token blocks")
     if any(len(b) == 0 or len(b) > PREFILL_CHUNK for b in blocks):
@@ -298,7 +301,7 @@ def decode(
     open. Raises like `prefill`, before the state changes. Donates `state`. `graph`: as `extend`.
     """
     seqs = list(seqs)
-    toks = np.asarray(check_tokens(tokens, model.config.vocab_size))
+    toks = check_tokens(tokens, model.config.vocab_size)
     if len(seqs) != len(toks):
         raise ValueError(f"{len(seqs)} sequences but {len(toks)} tokens")
     meta = _check_appends(state, seqs, [1] * len(seqs))
@@ -326,9 +329,7 @@ def free(state: PagedKVState, seq: int) -> PagedKVState:
 
 
 def _page_list(state: PagedKVState, pages) -> np.ndarray:
-    p = np.asarray(pages, np.int64).reshape(-1)
-    if ((p < 0) | (p >= state.num_pages)).any():
-        raise ValueError(f"page ids must be in [0, {state.num_pages})")
+    p = check_ids(pages, state.num_pages, "page id", allow_empty=True)
     if len(np.unique(p)) != len(p):
         raise ValueError("page ids must be distinct")
     out = np.full(bucket(max(len(p), 1)), state.num_pages, np.int32)
@@ -348,11 +349,17 @@ def retain(state: PagedKVState, pages) -> PagedKVState:
 
 def release(state: PagedKVState, pages, *, zero: bool = False) -> PagedKVState:
     """Drop a reference taken with `retain`; with `zero`, pages left unreferenced are zeroed.
-    Donates `state`."""
+    A page whose references all come from sequences' page tables is refused (ValueError): its
+    holders free it with `free`. Donates `state`."""
     p = _page_list(state, pages)
-    rc = np.asarray(state.refcount)
-    if (rc[p[p < state.num_pages]] == 0).any():
-        raise ValueError("a page without references cannot be released")
+    meta = kv.host_meta(state)
+    outside = meta["refcount"] - kv.table_references(meta, state.page_size, state.num_pages)
+    held = p[p < state.num_pages]
+    if (outside[held] < 1).any():
+        bad = int(held[outside[held] < 1][0])
+        raise ValueError(
+            f"page {bad} holds no reference taken with retain (only sequences reference it)"
+        )
     return _release(state, jnp.asarray(p), zero=zero)
 
 
@@ -364,10 +371,11 @@ def adopt(state: PagedKVState, seq: int, pages, tokens) -> PagedKVState:
     seq = kv.check_seq(meta, state, seq, must_be_open=False)
     if meta["active"][seq]:
         raise SequenceError(f"sequence {seq} is already open")
-    p = np.asarray(pages, np.int64).reshape(-1)
+    p = check_ids(pages, state.num_pages, "page id", allow_empty=True)
+    tokens = check_tokens(tokens, state.vocab_size, allow_empty=True)
     if len(tokens) != len(p) * state.page_size or len(tokens) > state.max_seq_len:
         raise ValueError("adopted tokens must fill the given pages exactly")
-    if ((p < 0) | (p >= state.num_pages)).any() or (meta["refcount"][p] == 0).any():
+    if (meta["refcount"][p] == 0).any():
         raise ValueError("adopted pages must be pages in use")
     row = np.full(state.max_pages_per_seq, state.num_pages, np.int32)
     row[: len(p)] = p

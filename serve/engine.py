@@ -37,6 +37,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import math
 import time
 from collections.abc import Iterator, Sequence
 
@@ -49,6 +50,7 @@ import leyline_jax as ll
 from leyline_jax import directives as dv
 from leyline_jax import kv_state as kv
 from leyline_jax import paged
+from leyline_jax.config import check_tokens
 from leyline_jax.directives import Mode
 from serve.edits import edits_and_feed
 from serve.radix import RadixCache
@@ -58,8 +60,22 @@ class RequestError(RuntimeError):
     """A turn that cannot be served (it never fits the pool or the sequence bound)."""
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def _is_real(v) -> bool:
+    return (_is_int(v) or isinstance(v, (float, np.floating))) and math.isfinite(v)
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
+    """How a turn generates. Checked when made: a bad field raises ValueError naming it.
+
+    max_new_tokens: int >= 1. temperature: finite, >= 0 (0: greedy). top_p: in (0, 1].
+    stop_tokens: token ids (any sequence of non-negative ints; kept as a tuple). seed: in
+    [0, 2**32): with (seed, step) it fixes a sampled row's draw, whatever batch it is in."""
+
     max_new_tokens: int = 16
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
@@ -67,10 +83,27 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self):
-        if self.max_new_tokens < 1:
-            raise ValueError("max_new_tokens must be at least 1")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens!r} must be an integer >= 1")
+        if not _is_real(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature!r} must be a finite number >= 0")
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p!r} must be a number in (0, 1]")
+        if not _is_int(self.seed) or not 0 <= self.seed < 2**32:
+            raise ValueError(f"seed={self.seed!r} must be an integer in [0, 2**32)")
+        stops = self.stop_tokens
+        if isinstance(stops, (str, bytes)) or not isinstance(stops, (Sequence, np.ndarray)):
+            raise ValueError(f"stop_tokens={stops!r} must be a sequence of token ids")
+        if not all(_is_int(t) and t >= 0 for t in stops):
+            raise ValueError(f"stop_tokens={stops!r} must hold non-negative integer token ids")
+        for name, value in (
+            ("max_new_tokens", int(self.max_new_tokens)),
+            ("temperature", float(self.temperature)),
+            ("top_p", float(self.top_p)),
+            ("seed", int(self.seed)),
+            ("stop_tokens", tuple(int(t) for t in stops)),
+        ):
+            object.__setattr__(self, name, value)
 
 
 @jax.jit
@@ -153,6 +186,16 @@ class Request:
             self.engine.step()
 
 
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """What an admitted turn does: a validated directive batch (the session's coordinates),
+    then the turn's whole prompt (the edited list and the new tokens)."""
+
+    directives: list[ll.Directive]
+    prompt: list[int]
+    edited: int  # the edited list's length: prompt[:edited] is the session after the batch
+
+
 @dataclasses.dataclass(eq=False)
 class Session:
     id: int
@@ -215,20 +258,23 @@ class Engine:
         directives: Sequence[ll.Directive] = (),
         sampling: SamplingParams | None = None,
     ) -> Request:
-        """Queue a turn: apply `directives` (in the session's coordinates when the turn runs),
-        append `tokens`, generate. Token ids are checked now (ValueError); directives when the
-        turn runs (a bad one fails that turn only)."""
-        s = self._session(session)
-        toks = [int(t) for t in tokens]
-        if not toks and not s.tokens:
+        """Queue a turn: apply `directives` (an atomic batch in the session's coordinates when
+        the turn runs, each in its own mode), append `tokens`, generate. Checked now: the
+        session (KeyError), token ids and sampling (ValueError), that each directive is a
+        `Directive` (DirectiveError). Checked when the turn runs, failing that turn only: the
+        directives' spans against the session as it is then."""
+        s, sampling = self._check_turn(session, sampling)
+        toks = check_tokens(tokens, self.model.config.vocab_size, allow_empty=True).tolist()
+        if not toks and not s.tokens and not s.queue and s.active is None:
             raise ValueError("the first turn of a session needs at least one token")
-        bad = [t for t in toks if not 0 <= t < self.model.config.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside [0, {self.model.config.vocab_size})")
-        req = Request(self, s, toks, directives, sampling or SamplingParams())
-        s.queue.append(req)
-        self._queued.append((next(self._order), req))
-        return req
+        try:
+            ds = list(directives)
+        except TypeError as e:
+            raise dv.DirectiveError(f"directives must be a sequence of Directive: {e}") from e
+        for d in ds:
+            if not isinstance(d, ll.Directive):
+                raise dv.DirectiveError(f"{d!r} is not a Directive")
+        return self._queue(Request(self, s, toks, ds, sampling))
 
     def submit_prompt(
         self,
@@ -240,17 +286,29 @@ class Engine:
     ) -> Request:
         """Queue a turn given as the whole prompt (what an unmodified harness sends): when it
         runs, the difference from the session's tokens becomes directives in `mode` plus the
-        appended tail (`serve.edits.edits_and_feed`)."""
-        s = self._session(session)
-        toks = [int(t) for t in prompt]
-        if not toks:
-            raise ValueError("an empty prompt")
-        bad = [t for t in toks if not 0 <= t < self.model.config.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside [0, {self.model.config.vocab_size})")
-        req = Request(self, s, [], (), sampling or SamplingParams())
+        appended tail (`serve.edits.edits_and_feed`). Checked now like `submit`; `mode` must be
+        a `Mode` (ValueError)."""
+        s, sampling = self._check_turn(session, sampling)
+        toks = check_tokens(prompt, self.model.config.vocab_size).tolist()
+        if not isinstance(mode, Mode):
+            raise ValueError(f"mode={mode!r} must be Mode.AMORTIZE or Mode.FORGET")
+        req = Request(self, s, [], (), sampling)
         req.prompt, req.mode = toks, mode
-        s.queue.append(req)
+        return self._queue(req)
+
+    def _check_turn(self, session, sampling) -> tuple[Session, SamplingParams]:
+        s = self._session(session)
+        sampling = SamplingParams() if sampling is None else sampling
+        if not isinstance(sampling, SamplingParams):
+            raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in sampling.stop_tokens if t >= vocab]
+        if bad:
+            raise ValueError(f"stop token {bad[0]} is outside the vocabulary [0, {vocab})")
+        return s, sampling
+
+    def _queue(self, req: Request) -> Request:
+        req.session.queue.append(req)
         self._queued.append((next(self._order), req))
         return req
 
@@ -263,7 +321,7 @@ class Engine:
         del self.sessions[session]
 
     def _session(self, session: int) -> Session:
-        s = self.sessions.get(session)
+        s = self.sessions.get(session) if _is_int(session) else None
         if s is None:
             raise KeyError(f"unknown or closed session {session}")
         return s
@@ -317,43 +375,48 @@ class Engine:
             self._queued.remove((order, req))
             s.queue.popleft()
 
-    def _plan(self, req: Request):
-        """Validate the turn against its session now; returns (directives, tokens after them).
-        A full prompt (`submit_prompt`) becomes directives + new tokens here, against the
-        session's tokens as they are now. A turn always prefills at least one token (its first
-        output needs logits): when the edits leave nothing new, the last token is re-fed."""
+    def _plan(self, req: Request) -> _Plan:
+        """Validate the turn against its session now. Explicit directives are taken as given,
+        each in its own mode; a whole prompt (`submit_prompt`) becomes directives + new tokens
+        here, against the session's tokens as they are now. A turn always feeds at least one
+        token (its first output needs logits): a turn that adds none feeds the edited list's
+        last token again. Raises DirectiveError (a ValueError) for what the session refuses."""
         s, vocab = req.session, self.model.config.vocab_size
         if req.prompt is not None:
             ds, new = edits_and_feed(s.tokens, req.prompt, mode=req.mode)
         else:
-            ds = dv.validate(req.directives, len(s.tokens), vocab)
-            new = req.new_tokens
-            if not new:  # edits only: the result's last token is fed again
-                after = dv.apply_to_list(s.tokens, ds)
-                if not after:
-                    raise dv.DirectiveError("the edit would leave the session empty")
-                mode = ds[0].mode if ds else Mode.AMORTIZE
-                ds, new = edits_and_feed(s.tokens, after, mode=mode)
+            ds, new = req.directives, req.new_tokens
         ds = dv.validate(ds, len(s.tokens), vocab)
-        return ds, dv.apply_to_list(s.tokens, ds), new
+        edited = dv.apply_to_list(s.tokens, ds)
+        if not new and not edited:
+            raise dv.DirectiveError("the turn would leave the session empty: it adds no token")
+        return _Plan(ds, edited + list(new), len(edited))
 
-    def _need(self, req: Request, ds, after, new, meta) -> tuple[int, int]:
+    @staticmethod
+    def _kept(s: Session, plan: _Plan) -> int:
+        """Tokens of a session holding KV whose KV the turn keeps before feeding its first
+        token (a re-fed last token is cut)."""
+        held = plan.edited if plan.directives else s.cached
+        return held - 1 if held == len(plan.prompt) else held
+
+    def _need(self, req: Request, plan: _Plan, meta) -> tuple[int, int]:
         """(pages the turn may take at most, pages the session keeps whatever happens)."""
         s, ps = req.session, self.page_size
-        final = len(after) + len(new) + req.sampling.max_new_tokens
+        final = len(plan.prompt) + req.sampling.max_new_tokens
         if s.seq is None:
             return -(-final // ps) + 1, 0
         n = int(meta["lengths"][s.seq])
-        keep = (ds[0].start // ps) if ds else -(-n // ps)
+        first = plan.directives[0].start if plan.directives else n
+        keep = min(first, len(plan.prompt) - 1) // ps  # a re-fed last token may cut a page
         return -(-final // ps) - keep + 1, keep
 
     def _try_admit(self, req: Request) -> str:
         s = req.session
         try:
-            ds, after, new = self._plan(req)
-        except dv.DirectiveError as e:
+            plan = self._plan(req)
+        except ValueError as e:  # DirectiveError included
             return self._fail(req, e)
-        final = len(after) + len(new) + req.sampling.max_new_tokens
+        final = len(plan.prompt) + req.sampling.max_new_tokens
         if final > self.state.max_seq_len:
             return self._fail(
                 req,
@@ -362,8 +425,12 @@ class Engine:
                     f"max_new_tokens), more than max_seq_len={self.state.max_seq_len}"
                 ),
             )
+        if s.seq is not None and self._kept(s, plan) == 0:
+            # nothing of the cached KV survives the edit: the session's KV starts again
+            self._offload(s)
+            self._purge(s, plan.directives)
         meta = self._meta()
-        need, keep = self._need(req, ds, after, new, meta)
+        need, keep = self._need(req, plan, meta)
         if need > self.state.num_pages - keep:
             return self._fail(
                 req,
@@ -377,10 +444,8 @@ class Engine:
         fresh = s.seq is None
         if fresh and not self._take_slot(s):
             return "wait"
-        # the turn is admitted: fix what it does (a retry after a wait recomputes the same)
-        req.directives, req.new_tokens, req.prompt = ds, new, None
         try:
-            self._start(req, ds, after, fresh)
+            self._start(req, plan, fresh)
         except ll.OutOfPagesError:  # the accounting above is an upper bound: not expected
             s.active, req.status = None, "queued"
             return "wait"
@@ -453,39 +518,53 @@ class Engine:
         self.counters["failed_turns"] += 1
         return "failed"
 
-    def _start(self, req: Request, ds, after, fresh: bool) -> None:
+    def _purge(self, s: Session, ds) -> None:
+        """A batch with a FORGET: the radix cache forgets the session's path from the first
+        FORGET start on (its KV was computed with the evicted tokens); pages nobody else holds
+        are zeroed. Idempotent."""
+        forget = [d for d in ds if d.mode is Mode.FORGET]
+        if forget and self.radix is not None:
+            pages = self.radix.purge(s.tokens, forget[0].start)
+            if pages:
+                self.state = paged.release(self.state, pages, zero=True)
+
+    def _start(self, req: Request, plan: _Plan, fresh: bool) -> None:
         """Apply the turn's directives and set up its prompt (the turn is admitted). `fresh`:
         the session has just been given an empty sequence slot."""
-        s, st = req.session, req.stats
-        s.active, s.last_used = req, time.perf_counter()
-        st.prompt_tokens = len(after) + len(req.new_tokens)
-        if not fresh and ds:
-            self._feed_unfed(s)
-            self._apply(s, ds, st)
-            s.tokens = after + req.new_tokens
-            req.pending = list(req.new_tokens)
-        elif not fresh:
-            st.reused_tokens = s.cached
-            req.pending = s.tokens[s.cached :] + req.new_tokens
-            s.tokens = s.tokens + req.new_tokens
-        else:  # a fresh sequence: the longest clean prefix from the radix cache
-            s.tokens = after + req.new_tokens
+        s, st, ds, prompt = req.session, req.stats, plan.directives, plan.prompt
+        self._purge(s, ds)
+        st.prompt_tokens = len(prompt)
+        st.reused_tokens = st.spliced_tokens = 0
+        if fresh:  # the longest clean prefix from the radix cache
             pages, hit = [], 0
             if self.radix is not None:
-                pages, hit = self.radix.match(s.tokens, max_tokens=len(s.tokens) - 1)
+                pages, hit = self.radix.match(prompt, max_tokens=len(prompt) - 1)
             if hit:  # the slot is open and empty: reopen it holding the cached pages
                 self.state = paged.free(self.state, s.seq)
-                self.state = paged.adopt(self.state, s.seq, pages, s.tokens[:hit])
-            s.cached = s.clean = hit
-            st.reused_tokens = hit
-            req.pending = s.tokens[hit:]
-        st.prefilled_tokens += len(req.pending)
-        counted = st.reused_tokens + st.spliced_tokens + st.prefilled_tokens
-        if counted != st.prompt_tokens or s.cached + len(req.pending) != len(s.tokens):
+                self.state = paged.adopt(self.state, s.seq, pages, prompt[:hit])
+            s.cached = s.clean = st.reused_tokens = hit
+        else:
+            last_moved = False
+            if ds:  # directives address every token the session holds: cache them first
+                self._feed_unfed(s)
+                st.reused_tokens, st.spliced_tokens, last_moved = self._apply(s, ds)
+            else:
+                st.reused_tokens = s.cached
+            if s.cached == len(prompt):  # nothing new: the last token is fed again
+                self._cut_last(s)
+                if st.reused_tokens == len(prompt):
+                    st.reused_tokens -= 1
+                elif last_moved:
+                    st.spliced_tokens -= 1
+        s.tokens = list(prompt)
+        req.pending = prompt[s.cached :]
+        st.prefilled_tokens = len(prompt) - st.reused_tokens - st.spliced_tokens
+        if not req.pending or st.prefilled_tokens < len(req.pending):
             raise RuntimeError(  # internal: the session's tokens no longer describe its cache
-                f"session {s.id}: {counted} tokens accounted for a {st.prompt_tokens}-token "
-                f"prompt ({s.cached} cached + {len(req.pending)} pending, {len(s.tokens)} held)"
+                f"session {s.id}: {st.reused_tokens} reused + {st.spliced_tokens} spliced of a "
+                f"{len(prompt)}-token prompt with {s.cached} cached, {len(req.pending)} pending"
             )
+        s.active, s.last_used = req, time.perf_counter()
         req.status = "prefill"
         self.counters["reused"] += st.reused_tokens
         self.counters["spliced"] += st.spliced_tokens
@@ -501,27 +580,35 @@ class Engine:
             s.clean = len(s.tokens)
         s.cached = len(s.tokens)
 
-    def _apply(self, s: Session, ds, st: TurnStats) -> None:
-        """Apply a validated directive batch to a session holding KV; update its counters."""
-        forget = [d for d in ds if d.mode is ll.Mode.FORGET]
-        if forget and self.radix is not None:
-            pages = self.radix.purge(s.tokens, forget[0].start)
-            if pages:
-                self.state = paged.release(self.state, pages, zero=True)
+    def _cut_last(self, s: Session) -> None:
+        """Drop the KV of the session's last cached token (a truncation: the rest is kept
+        exactly), so that the token can be fed again for its logits."""
+        n = s.cached
+        cut = ll.Directive(n - 1, n, (), Mode.FORGET)
+        self.state = ll.apply_directives(self.model, self.state, s.seq, [cut])
+        s.cached, s.clean = n - 1, min(s.clean, n - 1)
+
+    def _apply(self, s: Session, ds) -> tuple[int, int, bool]:
+        """Apply a validated directive batch to a session holding KV of all its tokens; update
+        its lineage. Returns (tokens reused, tokens spliced, whether the edited list's last
+        token is a spliced one)."""
         self.state = ll.apply_directives(self.model, self.state, s.seq, ds)
+        forget = [d for d in ds if d.mode is ll.Mode.FORGET]
         cut = forget[0].start if forget else len(s.tokens)
         spliced = [d for d in ds if d.end <= cut and d.mode is ll.Mode.AMORTIZE]
         cut_new = cut + sum(d.delta for d in spliced)
         new_len = len(dv.apply_to_list(s.tokens, ds))
-        st.reused_tokens = ds[0].start
-        st.prefilled_tokens = sum(len(d.replacement) for d in spliced) + (new_len - cut_new)
+        reused = ds[0].start
         # kept tokens after the first edit that AMORTIZE moved (and rotated) rather than refed
-        st.spliced_tokens = (cut - ds[0].start) - sum(d.end - d.start for d in spliced)
+        moved = (cut - ds[0].start) - sum(d.end - d.start for d in spliced)
+        ends_in_replacement = bool(spliced) and spliced[-1].end == cut and spliced[-1].replacement
+        last_moved = moved > 0 and new_len == cut_new and not ends_in_replacement
         if spliced:
             s.clean = min(s.clean, spliced[0].start)
         elif s.clean >= cut:  # FORGET alone re-prefills after a clean prefix: all clean
             s.clean = new_len
         s.cached = new_len
+        return reused, moved, last_moved
 
     # ---- device steps -------------------------------------------------------------------------
     def _prefill_batch(self) -> None:
