@@ -44,18 +44,21 @@ from pallas_kernels.splice_rotate import phase_table, splice_rotate
 PREFIX, SPAN, STUB, PAGE = 1024, 64, 16, 16
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _append_random(state, seq, tokens, key):
-    """Reserve slots for `tokens` and write random KV there (no model)."""
-    state, slots = kv.append_tokens(
-        state, seq[None], tokens[None], jnp.int32(tokens.shape[0])[None]
-    )
-    for layer in range(state.num_layers):
+@jax.jit
+def _random_kv(pools, slots, key):
+    """Write random KV at `slots` (i32[n]) in every layer (no model)."""
+    for layer in range(pools.num_layers):
         k1, k2, key = jax.random.split(key, 3)
-        c = jax.random.normal(k1, (*slots.shape, state.c_kv.shape[-1]))
-        k = jax.random.normal(k2, (*slots.shape, state.k_pe.shape[-1]))
-        state = kv.write_kv(state, layer, slots, c, k)
-    return state
+        c = jax.random.normal(k1, (*slots.shape, pools.c_kv.shape[-1]))
+        k = jax.random.normal(k2, (*slots.shape, pools.k_pe.shape[-1]))
+        pools = kv.write_kv(pools, layer, slots, c, k)
+    return pools
+
+
+def _append_random(state, seq: int, tokens, key):
+    """Reserve slots for `tokens` (host bookkeeping) and write random KV there."""
+    state, plan = kv.append(state, [seq], [np.asarray(tokens, np.int32)])
+    return state.replace(pools=_random_kv(state.pools, jnp.asarray(plan.slots[0]), key))
 
 
 def build(model, downstream: int):
@@ -71,8 +74,8 @@ def build(model, downstream: int):
     )
     rng = np.random.default_rng(0)
     state, _ = ll.prefill(model, state, 0, rng.integers(0, c.vocab_size, PREFIX + SPAN))
-    toks = jnp.asarray(rng.integers(0, c.vocab_size, downstream), jnp.int32)
-    return _append_random(state, jnp.int32(0), toks, jax.random.PRNGKey(0))
+    toks = rng.integers(0, c.vocab_size, downstream)
+    return _append_random(state, 0, toks, jax.random.PRNGKey(0))
 
 
 def time_amortize(model, downstream: int, repeats: int) -> float:

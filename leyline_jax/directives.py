@@ -187,75 +187,47 @@ def _pad(a: np.ndarray, size: int, fill: int) -> jnp.ndarray:
     return jnp.asarray(out)
 
 
-@functools.partial(jax.jit, static_argnames="impl", donate_argnames="state")
-def _splice_step(
-    state: PagedKVState,
-    seq,
-    row,
-    token_row,
-    length,
-    fresh,
-    released,
-    src,
-    dst,
-    pos_from,
-    pos_to,
-    inv_freq,
-    table,
-    *,
-    impl,
-):
-    """Move + rotate the kept slots into fresh pages and install the new row (pure)."""
-    layers, pages, ps = state.num_layers, state.num_pages, state.page_size
-    c = state.c_kv.reshape(layers, pages * ps, -1)
-    k = state.k_pe.reshape(layers, pages * ps, -1)
+@functools.partial(jax.jit, static_argnames="impl", donate_argnames="pools")
+def _splice_step(pools: kv.KVPools, src, dst, pos_from, pos_to, inv_freq, table, *, impl):
+    """Move + rotate the kept slots (i32[M] each) into their fresh pages (pure on the pools)."""
+    layers, pages, ps = pools.num_layers, pools.num_pages, pools.page_size
+    c = pools.c_kv.reshape(layers, pages * ps, -1)
+    k = pools.k_pe.reshape(layers, pages * ps, -1)
     c, k = splice_rotate(
-        c, k, src, dst, pos_from, pos_to, inv_freq, k_dtype=state.k_pe_dtype, table=table, impl=impl
+        c, k, src, dst, pos_from, pos_to, inv_freq, k_dtype=pools.k_pe_dtype, table=table, impl=impl
     )
-    refcount = state.refcount.at[fresh].add(1, mode="drop").at[released].add(-1, mode="drop")
     return dataclasses.replace(
-        state,
-        c_kv=c.reshape(state.c_kv.shape),
-        k_pe=k.reshape(state.k_pe.shape),
-        page_table=state.page_table.at[seq].set(row),
-        token_ids=state.token_ids.at[seq].set(token_row),
-        lengths=state.lengths.at[seq].set(length),
-        positions=state.positions.at[seq].set(length),
-        refcount=refcount,
+        pools, c_kv=c.reshape(pools.c_kv.shape), k_pe=k.reshape(pools.k_pe.shape)
     )
 
 
-@functools.partial(jax.jit, donate_argnames="state")
-def _truncate_step(state: PagedKVState, seq, length, released):
+@functools.partial(jax.jit, donate_argnames="pools")
+def _zero_step(pools: kv.KVPools, pages, slots):
+    """Zero whole pages (i32[K]) and single slots (i32[S]) nobody references any more."""
+    return kv.zero_slots(kv.zero_pages(pools, pages), slots)
+
+
+def _truncate(state: PagedKVState, seq: int, length: int) -> PagedKVState:
     """Cut `seq` to `length` tokens, dropping the page references past it; zero what nobody
     references any more: released pages reaching refcount 0, and the tail of a kept partial
     page the sequence alone holds."""
-    ps, pages = state.page_size, state.num_pages
-    refcount = state.refcount.at[released].add(-1, mode="drop")
-    dead = jnp.where(refcount.at[released].get(mode="fill", fill_value=1) == 0, released, pages)
-    c = state.c_kv.at[:, dead].set(0, mode="drop")
-    k = state.k_pe.at[:, dead].set(0, mode="drop")
-    keep_cols = -(-length // ps)
-    cols = jnp.arange(state.max_pages_per_seq)
-    row = jnp.where(cols < keep_cols, state.page_table[seq], pages)
-    last = row[jnp.maximum(keep_cols - 1, 0)]
-    own_tail = (length % ps != 0) & (refcount.at[last].get(mode="fill", fill_value=2) == 1)
-    tail = jnp.where(
-        own_tail & (jnp.arange(ps) >= length % ps), last * ps + jnp.arange(ps), pages * ps
+    ps, p = state.page_size, state.num_pages
+    n = int(state.lengths[seq])
+    row = state.page_table[seq].copy()
+    released = row[-(-length // ps) : -(-n // ps)].copy()
+    row[-(-length // ps) :] = p
+    state, dead = kv.release_pages(state, released)
+    tail = np.zeros(0, np.int32)
+    if length % ps and state.refcount[row[(length - 1) // ps]] == 1:
+        last = int(row[(length - 1) // ps])
+        tail = (last * ps + np.arange(length % ps, ps)).astype(np.int32)
+    state = kv.set_sequence(state, seq, row, state.token_ids[seq][:length])
+    pools = _zero_step(
+        state.pools,
+        _pad(dead, paged.bucket(max(len(dead), 1)), p),
+        _pad(tail, paged.bucket(max(len(tail), 1)), p * ps),
     )
-    c = c.reshape(c.shape[0], -1, c.shape[-1]).at[:, tail].set(0, mode="drop").reshape(c.shape)
-    k = k.reshape(k.shape[0], -1, k.shape[-1]).at[:, tail].set(0, mode="drop").reshape(k.shape)
-    tok = jnp.where(jnp.arange(state.max_seq_len) < length, state.token_ids[seq], 0)
-    return dataclasses.replace(
-        state,
-        c_kv=c,
-        k_pe=k,
-        refcount=refcount,
-        page_table=state.page_table.at[seq].set(row),
-        token_ids=state.token_ids.at[seq].set(tok),
-        lengths=state.lengths.at[seq].set(length),
-        positions=state.positions.at[seq].set(length),
-    )
+    return state.replace(pools=pools)
 
 
 def _uses_jnp(impl) -> bool:
@@ -269,43 +241,20 @@ def _phases(config, length: int) -> jax.Array:
     return jax.jit(phase_table, static_argnums=1)(jnp.asarray(_inv_freq(config)), length)
 
 
-def _fill(model: MLAModel, state: PagedKVState, seq: int, start: int, tokens: Sequence[int]):
-    t = paged.bucket(len(tokens), paged.MIN_TOKEN_BUCKET)
-    end = start + len(tokens)
-    width = paged.page_width(state, end)
-    graphdef, params = nnx.split(model)
-    state, _ = paged._fill_step(
-        graphdef,
-        params,
-        state,
-        jnp.int32(seq),
-        _pad(np.asarray(tokens), t, 0),
-        jnp.int32(start),
-        jnp.int32(len(tokens)),
-        width=width,
-    )
-    return state
-
-
-def _splice(model, state, seq, meta, tokens, directives, impl):
+def _splice(model, state, seq, tokens, directives, impl):
     """Apply a validated AMORTIZE batch (pages already checked by the caller's plan)."""
-    free = np.flatnonzero(meta["refcount"] == 0).astype(np.int32)
     plan = plan_splice(
-        tokens, meta["page_table"][seq], directives, state.page_size, free, state.num_pages
+        tokens,
+        state.page_table[seq],
+        directives,
+        state.page_size,
+        kv.free_pages(state),
+        state.num_pages,
     )
     m = paged.bucket(len(plan.src), MIN_MOVE_BUCKET)
     slots = state.num_pages * state.page_size
-    pages_bucket = paged.bucket(max(len(plan.fresh), len(plan.released), 1))
-    token_row = np.zeros(state.max_seq_len, np.int32)
-    token_row[: len(plan.new_tokens)] = plan.new_tokens
-    state = _splice_step(
-        state,
-        jnp.int32(seq),
-        jnp.asarray(plan.page_row),
-        jnp.asarray(token_row),
-        jnp.int32(len(plan.new_tokens)),
-        _pad(plan.fresh, pages_bucket, state.num_pages),
-        _pad(plan.released, pages_bucket, state.num_pages),
+    pools = _splice_step(
+        state.pools,
         _pad(plan.src, m, 0),
         _pad(plan.dst, m, slots),
         _pad(plan.pos_from, m, 0),
@@ -314,17 +263,23 @@ def _splice(model, state, seq, meta, tokens, directives, impl):
         _phases(model.config, state.max_seq_len) if _uses_jnp(impl) else None,
         impl=impl,
     )
+    state = kv.retain_pages(state.replace(pools=pools), plan.fresh)
+    state, _ = kv.release_pages(state, plan.released)
+    state = kv.set_sequence(state, seq, plan.page_row, plan.new_tokens)
+    graph = nnx.split(model)
     for start, rep in plan.fills:  # in chunks, like a prefill: bounds the [T, S] score buffer
         for a in range(0, len(rep), paged.PREFILL_CHUNK):
-            state = _fill(model, state, seq, start + a, rep[a : a + paged.PREFILL_CHUNK])
+            state, _ = paged.fill(
+                model, state, seq, start + a, rep[a : a + paged.PREFILL_CHUNK], graph
+            )
     return state
 
 
-def _check_budget(meta, state, seq, length, cut, spliced, cut_new, tail_len) -> None:
+def _check_budget(state, seq, length, cut, spliced, cut_new, tail_len) -> None:
     """Simulate the page accounting of truncate -> splice -> prefill on a host copy of the
     refcounts; raise OutOfPagesError if any step would find the pool short."""
-    ps, refcount = state.page_size, meta["refcount"].copy()
-    row = meta["page_table"][seq]
+    ps, refcount = state.page_size, state.refcount.copy()
+    row = state.page_table[seq]
 
     def release(pages):
         for p in pages:
@@ -367,12 +322,11 @@ def apply_directives(
     `DirectiveError` (invalid input) or `OutOfPagesError` before anything changes. Donates
     `state`. `impl` picks the splice implementation (see `pallas_kernels.splice_rotate`).
     """
-    meta = kv.host_meta(state)
     try:
-        seq = kv.check_seq(meta, state, seq, must_be_open=True)
+        seq = kv.check_seq(state, seq, must_be_open=True)
     except SequenceError as e:
         raise DirectiveError(str(e)) from e
-    length = int(meta["lengths"][seq])
+    length = int(state.lengths[seq])
     ds = validate(directives, length, model.config.vocab_size)
     if not ds:
         return state
@@ -385,28 +339,19 @@ def apply_directives(
         )
     if len(new_tokens) == 0:
         raise DirectiveError("the edit would leave the sequence empty: free it instead")
-    ps = state.page_size
     forget = [d for d in ds if d.mode is Mode.FORGET]
     cut = forget[0].start if forget else length
     spliced = [d for d in ds if d.end <= cut and d.mode is Mode.AMORTIZE]
     cut_new = cut + sum(d.delta for d in spliced)
     tail = new_tokens[cut_new:] if forget else []
-    _check_budget(meta, state, seq, length, cut, spliced, cut_new, len(tail))
+    _check_budget(state, seq, length, cut, spliced, cut_new, len(tail))
 
     # ---- apply ------------------------------------------------------------------------------
     if forget:
-        row = meta["page_table"][seq]
-        released = row[-(-cut // ps) : -(-length // ps)]
-        state = _truncate_step(
-            state,
-            jnp.int32(seq),
-            jnp.int32(cut),
-            _pad(released, paged.bucket(max(len(released), 1)), state.num_pages),
-        )
-        meta = kv.host_meta(state)
+        state = _truncate(state, seq, cut)
         tokens = tokens[:cut]
     if spliced:
-        state = _splice(model, state, seq, meta, tokens, spliced, impl)
+        state = _splice(model, state, seq, tokens, spliced, impl)
     if tail:
         state, _ = paged.prefill(model, state, seq, tail)
     return state
@@ -421,7 +366,7 @@ def apply_directive(
 
 def compile_counts() -> dict[str, int]:
     """How many shapes the splice and truncate steps have compiled (for tests and benchmarks)."""
-    return {"splice": _splice_step._cache_size(), "truncate": _truncate_step._cache_size()}
+    return {"splice": _splice_step._cache_size(), "zero": _zero_step._cache_size()}
 
 
 __all__ = [

@@ -1,24 +1,31 @@
-"""The functional paged KV state: a pytree, and pure operations on it.
+"""The paged KV state: device pools of KV pages, and their bookkeeping on the host.
 
 Layout. Per layer, the latent `c_kv` and the rope band `k_pe` of every cached token live in pages
-of `page_size` slots, in two separate arrays (a splice rotates `k_pe` only). Token i of sequence
-q lives at page `page_table[q, i // page_size]`, offset `i % page_size`. Unused page-table
-entries hold `num_pages` ("nowhere"): gathers through them read nothing that is used, scatters
-through them are dropped.
+of `page_size` slots, in two separate device arrays (a splice rotates `k_pe` only). Token i of
+sequence q lives at page `page_table[q, i // page_size]`, offset `i % page_size`. Unused
+page-table entries hold `num_pages` ("nowhere"): gathers through them read nothing that is
+used, scatters through them are dropped.
+
+Host and device. The bookkeeping (page tables, lengths, token ids, open flags, page refcounts)
+is host data (numpy, read-only arrays); only the pools (`KVPools`) live on the device. Every
+allocation, fork, free and reference count is decided on the host with no device read, and
+the pools change only through jitted, donated steps (`leyline_jax.paged`, the directives).
+The state is still a value: each operation returns a new `PagedKVState` (host arrays are
+copied where they change, never written in place) and consumes the pools of the one it was
+given.
 
 Sharing. Pages carry reference counts; a page is free when its count is 0. `fork_seq` shares
 every page of a sequence; a page referenced more than once is never written: appending to a
 sequence whose partial last page is shared first copies that page (copy on write).
 
 Storage. A 16-bit float band (bf16 `c_kv` by default) is stored as its raw bits (uint16) and
-viewed as floats only where rows are read (`decode`): XLA:CPU runs a float-16 scatter by
+viewed as floats only where rows are read (`from_storage`): XLA:CPU runs a float-16 scatter by
 converting the whole pool to f32 and back (two full-pool passes for every write), and a
 bitcast of the pool costs the same; an integer pool is scattered in place. `kv_dtype` /
-`k_pe_dtype` on the state say what the stored bits mean.
+`k_pe_dtype` on the pools say what the stored bits mean.
 
-Every operation here is a pure jnp function `state -> state` (jit-compatible, no host sync).
-They assume valid arguments: the public wrappers (`leyline_jax.paged`) check on the host first,
-so an error is raised before anything changes.
+The host operations here assume valid arguments: the public wrappers (`leyline_jax.paged`)
+check first, so an error is raised before anything changes.
 """
 
 from __future__ import annotations
@@ -40,14 +47,14 @@ def storage_dtype(dtype):
     return dtype
 
 
-def encode(x, dtype):
+def to_storage(x, dtype):
     """Values -> storage: cast to `dtype`, then to its storage bits (bit-exact)."""
     x = x.astype(dtype)
     st = storage_dtype(dtype)
     return x if st == x.dtype else jax.lax.bitcast_convert_type(x, st)
 
 
-def decode(x, dtype):
+def from_storage(x, dtype):
     """Storage -> values of `dtype` (bit-exact; apply to gathered rows, not to a pool)."""
     dtype = jnp.dtype(dtype)
     return x if x.dtype == dtype else jax.lax.bitcast_convert_type(x, dtype)
@@ -63,19 +70,62 @@ class SequenceError(ValueError):
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class PagedKVState:
+class KVPools:
+    """The device half of the state: every layer's pages (what jitted steps take and donate)."""
+
     c_kv: jax.Array  # [L, P, page_size, R]   latent, storage_dtype(kv_dtype)
     k_pe: jax.Array  # [L, P, page_size, Dr]  rope band (halves layout), storage_dtype(k_pe_dtype)
-    page_table: jax.Array  # i32[max_seqs, max_pages]; unused entries = P
-    lengths: jax.Array  # i32[max_seqs] tokens cached per sequence
-    positions: jax.Array  # i32[max_seqs] position of each sequence's next token
-    token_ids: jax.Array  # i32[max_seqs, max_seq_len]
-    active: jax.Array  # bool[max_seqs] open sequences
-    refcount: jax.Array  # i32[P] references to each page; 0 = free
     page_size: int = dataclasses.field(metadata=dict(static=True))
     kv_dtype: jnp.dtype = dataclasses.field(metadata=dict(static=True))  # what c_kv's bits mean
     k_pe_dtype: jnp.dtype = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def num_pages(self) -> int:
+        return self.c_kv.shape[1]
+
+    @property
+    def num_layers(self) -> int:
+        return self.c_kv.shape[0]
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedKVState:
+    pools: KVPools  # device
+    page_table: np.ndarray  # host i32[max_seqs, max_pages]; unused entries = P
+    lengths: np.ndarray  # host i32[max_seqs] tokens cached per sequence
+    token_ids: tuple[np.ndarray, ...]  # host, per sequence: i32[lengths[q]]
+    active: np.ndarray  # host bool[max_seqs] open sequences
+    refcount: np.ndarray  # host i32[P] references to each page; 0 = free
     vocab_size: int = dataclasses.field(metadata=dict(static=True))  # token ids are < this
+    max_seq_len: int = dataclasses.field(metadata=dict(static=True))  # exact, not page-rounded
+
+    def replace(self, **changes) -> PagedKVState:
+        """A new state with `changes` (host arrays are frozen: nobody writes them in place)."""
+        for name, value in changes.items():
+            if isinstance(value, np.ndarray):
+                _frozen(value)
+            elif name == "token_ids":
+                for row in value:
+                    _frozen(row)
+        return dataclasses.replace(self, **changes)
+
+    c_kv = property(lambda self: self.pools.c_kv)
+    k_pe = property(lambda self: self.pools.k_pe)
+    page_size = property(lambda self: self.pools.page_size)
+    kv_dtype = property(lambda self: self.pools.kv_dtype)
+    k_pe_dtype = property(lambda self: self.pools.k_pe_dtype)
+    num_layers = property(lambda self: self.pools.num_layers)
+
+    @property
+    def positions(self) -> np.ndarray:
+        """i32[max_seqs] position of each sequence's next token (its length)."""
+        return self.lengths
 
     @property
     def num_pages(self) -> int:
@@ -88,15 +138,6 @@ class PagedKVState:
     @property
     def max_pages_per_seq(self) -> int:
         return self.page_table.shape[1]
-
-    @property
-    def max_seq_len(self) -> int:
-        """Most tokens one sequence may hold (exact: not rounded to whole pages)."""
-        return self.token_ids.shape[1]
-
-    @property
-    def num_layers(self) -> int:
-        return self.c_kv.shape[0]
 
 
 def init_state(
@@ -143,198 +184,246 @@ def init_state(
         if not jnp.issubdtype(dt, jnp.floating):
             raise ValueError(f"{name} must be a floating dtype, got {dt}")
     layers = config.num_hidden_layers
-    return PagedKVState(
+    pools = KVPools(
         c_kv=jnp.zeros(
             (layers, num_pages, page_size, config.kv_lora_rank), storage_dtype(kv_dtype)
         ),
         k_pe=jnp.zeros(
             (layers, num_pages, page_size, config.qk_rope_head_dim), storage_dtype(k_pe_dtype)
         ),
-        page_table=jnp.full((max_seqs, max_pages), num_pages, jnp.int32),
-        lengths=jnp.zeros((max_seqs,), jnp.int32),
-        positions=jnp.zeros((max_seqs,), jnp.int32),
-        token_ids=jnp.zeros((max_seqs, max_seq_len), jnp.int32),
-        active=jnp.zeros((max_seqs,), bool),
-        refcount=jnp.zeros((num_pages,), jnp.int32),
         page_size=page_size,
         kv_dtype=kv_dtype,
         k_pe_dtype=k_pe_dtype,
+    )
+    empty = np.zeros(0, np.int32)
+    return PagedKVState(
+        pools=pools,
+        page_table=_frozen(np.full((max_seqs, max_pages), num_pages, np.int32)),
+        lengths=_frozen(np.zeros(max_seqs, np.int32)),
+        token_ids=tuple(_frozen(empty.copy()) for _ in range(max_seqs)),
+        active=_frozen(np.zeros(max_seqs, bool)),
+        refcount=_frozen(np.zeros(num_pages, np.int32)),
         vocab_size=config.vocab_size,
+        max_seq_len=max_seq_len,
     )
 
 
-# ---- page accounting shared by the host check and the device op ----------------------------
+# ---- page accounting: the one owner -----------------------------------------------------------
 def pages_needed(length, count, last_page_shared, page_size: int):
     """Pages an append of `count` tokens to a sequence of `length` tokens takes from the pool:
-    the new pages it grows into, plus one copy of its partial last page when that page is shared.
-    Works elementwise on numpy or jnp arrays (the host check and the device op agree by
-    construction)."""
+    the new pages it grows into, plus one copy of its partial last page when that page is
+    shared. Returns (pages, whether the last page is copied); elementwise on numpy arrays."""
     grow = -(-(length + count) // page_size) - (-(-length // page_size))
     cow = (length % page_size != 0) & (count > 0) & last_page_shared
     return grow + cow, cow
 
 
-# ---- pure operations ------------------------------------------------------------------------
-def open_seq(state: PagedKVState, seq) -> PagedKVState:
+def last_page_shared(state: PagedKVState, seq: int) -> bool:
+    """Whether `seq`'s partial last page is referenced by someone else too (an append copies
+    it first)."""
+    n = int(state.lengths[seq])
+    if n % state.page_size == 0:
+        return False
+    page = int(state.page_table[seq, (n - 1) // state.page_size])
+    return bool(state.refcount[page] > 1)
+
+
+def append_pages(state: PagedKVState, seq: int, count: int) -> int:
+    """Pages appending `count` tokens to open `seq` takes from the pool."""
+    n = int(state.lengths[seq])
+    return int(pages_needed(n, count, last_page_shared(state, seq), state.page_size)[0])
+
+
+def free_pages(state: PagedKVState) -> np.ndarray:
+    """i32[F] free page ids, lowest first."""
+    return np.flatnonzero(state.refcount == 0).astype(np.int32)
+
+
+def table_references(state: PagedKVState) -> np.ndarray:
+    """i32[P]: how many open sequences' page tables list each page (within their lengths)."""
+    counts = np.zeros(state.num_pages, np.int32)
+    for q in np.flatnonzero(state.active):
+        used = state.page_table[q, : -(-int(state.lengths[q]) // state.page_size)]
+        np.add.at(counts, used[used < state.num_pages], 1)
+    return counts
+
+
+# ---- host operations (pure: state -> new state; the pools are untouched) ----------------------
+def _row(state: PagedKVState, seq: int) -> np.ndarray:
+    return np.full(state.max_pages_per_seq, state.num_pages, np.int32)
+
+
+def _with_row(state: PagedKVState, seq: int, row, length: int, tokens, active: bool, **kw):
+    table = state.page_table.copy()
+    table[seq] = row
+    lengths = state.lengths.copy()
+    lengths[seq] = length
+    flags = state.active.copy()
+    flags[seq] = active
+    ids = list(state.token_ids)
+    ids[seq] = np.asarray(tokens, np.int32).reshape(-1).copy()
+    return state.replace(
+        page_table=table, lengths=lengths, active=flags, token_ids=tuple(ids), **kw
+    )
+
+
+def _add_refs(refcount: np.ndarray, pages, delta: int) -> np.ndarray:
+    out = refcount.copy()
+    p = np.asarray(pages, np.int64).reshape(-1)
+    np.add.at(out, p[p < out.shape[0]], delta)
+    return out
+
+
+def set_sequence(state: PagedKVState, seq: int, row, tokens) -> PagedKVState:
+    """`seq` (open) now holds `tokens` in the pages of page-table row `row` (i32[max_pages]);
+    refcounts are the caller's (a splice or a truncation settles them itself)."""
+    return _with_row(state, seq, np.asarray(row, np.int32), len(tokens), tokens, True)
+
+
+def open_seq(state: PagedKVState, seq: int) -> PagedKVState:
     """Mark `seq` open and empty."""
-    return dataclasses.replace(
-        state,
-        active=state.active.at[seq].set(True),
-        lengths=state.lengths.at[seq].set(0),
-        positions=state.positions.at[seq].set(0),
-        page_table=state.page_table.at[seq].set(state.num_pages),
-    )
+    return _with_row(state, seq, _row(state, seq), 0, [], True)
 
 
-def free_seq(state: PagedKVState, seq) -> PagedKVState:
+def free_seq(state: PagedKVState, seq: int) -> PagedKVState:
     """Close `seq` and drop its page references (pages reaching 0 become free)."""
-    pages = state.page_table[seq]
-    return dataclasses.replace(
-        state,
-        refcount=state.refcount.at[pages].add(-1, mode="drop"),
-        page_table=state.page_table.at[seq].set(state.num_pages),
-        lengths=state.lengths.at[seq].set(0),
-        positions=state.positions.at[seq].set(0),
-        token_ids=state.token_ids.at[seq].set(0),
-        active=state.active.at[seq].set(False),
-    )
+    held = state.page_table[seq, : -(-int(state.lengths[seq]) // state.page_size)]
+    refcount = _add_refs(state.refcount, held, -1)
+    return _with_row(state, seq, _row(state, seq), 0, [], False, refcount=refcount)
 
 
-def fork_seq(state: PagedKVState, src, dst) -> PagedKVState:
+def fork_seq(state: PagedKVState, src: int, dst: int) -> PagedKVState:
     """Open `dst` as a copy of `src` that shares all of its pages (refcounts + 1)."""
-    pages = state.page_table[src]
-    return dataclasses.replace(
-        state,
-        refcount=state.refcount.at[pages].add(1, mode="drop"),
-        page_table=state.page_table.at[dst].set(pages),
-        lengths=state.lengths.at[dst].set(state.lengths[src]),
-        positions=state.positions.at[dst].set(state.positions[src]),
-        token_ids=state.token_ids.at[dst].set(state.token_ids[src]),
-        active=state.active.at[dst].set(True),
-    )
+    n = int(state.lengths[src])
+    held = state.page_table[src, : -(-n // state.page_size)]
+    refcount = _add_refs(state.refcount, held, 1)
+    row = state.page_table[src].copy()
+    return _with_row(state, dst, row, n, state.token_ids[src], True, refcount=refcount)
 
 
 def retain_pages(state: PagedKVState, pages) -> PagedKVState:
-    """Take one more reference to each page in `pages` (i32[K]; P = padding). A holder outside
-    any sequence (a prefix cache) keeps pages alive this way."""
-    return dataclasses.replace(state, refcount=state.refcount.at[pages].add(1, mode="drop"))
+    """Take one more reference to each page in `pages` (a holder outside any sequence, such as
+    a prefix cache, keeps pages alive this way)."""
+    return state.replace(refcount=_add_refs(state.refcount, pages, 1))
 
 
-def release_pages(state: PagedKVState, pages, *, zero: bool = False) -> PagedKVState:
-    """Drop one reference to each page in `pages` (distinct; P = padding). With `zero`, pages
-    nobody references any more are zeroed (a purge: their contents must not survive)."""
-    refcount = state.refcount.at[pages].add(-1, mode="drop")
-    if not zero:
-        return dataclasses.replace(state, refcount=refcount)
-    p = state.num_pages
-    dead = jnp.where(refcount.at[pages].get(mode="fill", fill_value=1) == 0, pages, p)
+def release_pages(state: PagedKVState, pages) -> tuple[PagedKVState, np.ndarray]:
+    """Drop one reference to each page in `pages` (distinct). Returns the state and i32[K] the
+    pages nobody references any more (a caller purging their contents zeroes them)."""
+    refcount = _add_refs(state.refcount, pages, -1)
+    p = np.asarray(pages, np.int64).reshape(-1)
+    dead = p[(p < state.num_pages)]
+    dead = dead[refcount[dead] == 0].astype(np.int32)
+    return state.replace(refcount=refcount), dead
+
+
+def adopt_prefix(state: PagedKVState, seq: int, pages, tokens) -> PagedKVState:
+    """Open `seq` holding `tokens` whose KV already lives in the full pages `pages` (a prefix
+    cache hit): every listed page gains a reference; the sequence never writes them."""
+    row = _row(state, seq)
+    row[: len(pages)] = pages
+    refcount = _add_refs(state.refcount, pages, 1)
+    return _with_row(state, seq, row, len(tokens), tokens, True, refcount=refcount)
+
+
+@dataclasses.dataclass(frozen=True)
+class Append:
+    """What the device must do for an append the host planned: copy shared partial pages
+    (`cow_src` -> `cow_dst`) before writing each new token to its slot."""
+
+    slots: list[np.ndarray]  # per appended row: i32[count] destination slots
+    cow_src: np.ndarray  # i32[K] shared pages to copy
+    cow_dst: np.ndarray  # i32[K] the fresh copies
+
+
+def append(state: PagedKVState, seqs, blocks) -> tuple[PagedKVState, Append]:
+    """Reserve slots for `blocks[i]` (token ids) at the end of open, distinct `seqs[i]`: take the
+    lowest free pages, copy a shared partial last page (copy on write), record the token ids.
+    Returns the new state (pools untouched) and what the device step must do. Assumes the
+    caller checked room (`append_pages`)."""
+    ps = state.page_size
+    free = list(free_pages(state))
+    table = state.page_table.copy()
+    refcount = state.refcount.copy()
+    lengths = state.lengths.copy()
+    ids = list(state.token_ids)
+    slots, cow_src, cow_dst = [], [], []
+    for seq, block in zip(seqs, blocks, strict=True):
+        n, count = int(lengths[seq]), len(block)
+        col = (n - 1) // ps
+        if count and n % ps and refcount[table[seq, col]] > 1:  # copy on write
+            old, new = int(table[seq, col]), int(free.pop(0))
+            cow_src.append(old)
+            cow_dst.append(new)
+            refcount[old] -= 1
+            refcount[new] += 1
+            table[seq, col] = new
+        for col in range(-(-n // ps), -(-(n + count) // ps)):
+            page = int(free.pop(0))
+            table[seq, col] = page
+            refcount[page] += 1
+        pos = n + np.arange(count)
+        slots.append((table[seq, pos // ps] * ps + pos % ps).astype(np.int32))
+        lengths[seq] = n + count
+        ids[seq] = np.concatenate([state.token_ids[seq], np.asarray(block, np.int32)])
+    new = state.replace(page_table=table, refcount=refcount, lengths=lengths, token_ids=tuple(ids))
+    plan = Append(slots, np.asarray(cow_src, np.int32), np.asarray(cow_dst, np.int32))
+    return new, plan
+
+
+# ---- device operations on the pools (traced inside jitted steps) -------------------------------
+def copy_pages(pools: KVPools, src, dst) -> KVPools:
+    """Copy whole pages src[k] -> dst[k] in every layer (i32[K]; dst = P drops)."""
     return dataclasses.replace(
-        state,
-        refcount=refcount,
-        c_kv=state.c_kv.at[:, dead].set(0, mode="drop"),
-        k_pe=state.k_pe.at[:, dead].set(0, mode="drop"),
+        pools,
+        c_kv=pools.c_kv.at[:, dst].set(pools.c_kv[:, src], mode="drop"),
+        k_pe=pools.k_pe.at[:, dst].set(pools.k_pe[:, src], mode="drop"),
     )
 
 
-def adopt_prefix(state: PagedKVState, seq, pages, tokens, length) -> PagedKVState:
-    """Open `seq` holding `length` tokens (`tokens` i32[max_seq_len]) whose KV already lives in
-    `pages` (i32[max_pages] page-table row, P = unused): every listed page gains a reference.
-    Pages must be full (length a multiple of page_size), so the sequence never writes them."""
+def zero_pages(pools: KVPools, pages) -> KVPools:
+    """Zero whole pages in every layer (i32[K]; P drops)."""
     return dataclasses.replace(
-        state,
-        refcount=state.refcount.at[pages].add(1, mode="drop"),
-        page_table=state.page_table.at[seq].set(pages),
-        lengths=state.lengths.at[seq].set(length),
-        positions=state.positions.at[seq].set(length),
-        token_ids=state.token_ids.at[seq].set(tokens),
-        active=state.active.at[seq].set(True),
+        pools,
+        c_kv=pools.c_kv.at[:, pages].set(0, mode="drop"),
+        k_pe=pools.k_pe.at[:, pages].set(0, mode="drop"),
     )
 
 
-def append_tokens(
-    state: PagedKVState,
-    seqs: jax.Array,  # i32[B]; padded rows may hold any open sequence id with count 0
-    tokens: jax.Array,  # i32[B, T]
-    counts: jax.Array,  # i32[B] real tokens per row (<= T)
-) -> tuple[PagedKVState, jax.Array]:
-    """Reserve slots for `counts[b]` new tokens of each `seqs[b]` and record their ids.
-
-    Allocates the lowest free pages, copies a shared partial last page first (copy on write),
-    updates page tables, refcounts, lengths, positions and token ids. Returns the new state and
-    i32[B, T] destination slots (`page * page_size + offset`; padding gets P * page_size,
-    "nowhere"). The KV itself is written by `write_kv`. Sequences in one call must differ.
-    """
-    ps, num_pages = state.page_size, state.num_pages
-    b, t = tokens.shape
-    length = state.lengths[seqs]  # [B]
-    last_col = jnp.maximum(length - 1, 0) // ps  # page-table column of the partial last page
-    last_page = jnp.take_along_axis(state.page_table[seqs], last_col[:, None], 1)[:, 0]
-    shared = state.refcount.at[last_page].get(mode="fill", fill_value=0) > 1
-    need, cow = pages_needed(length, counts, shared, ps)
-
-    # candidate pages: the lowest free ones, enough for the worst case of this shape
-    per_row = -(-t // ps) + 1
-    (free,) = jnp.nonzero(state.refcount == 0, size=b * per_row, fill_value=num_pages)
-    offset = jnp.cumsum(need) - need  # first candidate of each row
-    j = jnp.arange(per_row)[None, :]  # [1, J]
-    take = j < need[:, None]  # [B, J]
-    page = jnp.where(take, free[jnp.minimum(offset[:, None] + j, b * per_row - 1)], num_pages)
-    # column each taken page goes to: the partial last page's column for a copy, else growth
-    grow_col = -(-length // ps)[:, None] + j - cow[:, None]
-    col = jnp.where(cow[:, None] & (j == 0), last_col[:, None], grow_col)
-    col = jnp.where(take, col, state.page_table.shape[1])  # dropped
-
-    refcount = state.refcount.at[page].add(1, mode="drop")
-    refcount = refcount.at[jnp.where(cow, last_page, num_pages)].add(-1, mode="drop")
-    cow_dst = jnp.where(cow, page[:, 0], num_pages)
-    c_kv = state.c_kv.at[:, cow_dst].set(state.c_kv[:, last_page], mode="drop")
-    k_pe = state.k_pe.at[:, cow_dst].set(state.k_pe[:, last_page], mode="drop")
-    page_table = state.page_table.at[seqs[:, None], col].set(page, mode="drop")
-
-    pos = length[:, None] + jnp.arange(t)[None, :]  # [B, T] token index within its sequence
-    real = jnp.arange(t)[None, :] < counts[:, None]
-    pcol = jnp.minimum(pos // ps, page_table.shape[1] - 1)
-    slot_page = jnp.take_along_axis(page_table[seqs], pcol, 1)
-    slots = jnp.where(real, slot_page * ps + pos % ps, num_pages * ps)
-    token_ids = state.token_ids.at[seqs[:, None], jnp.where(real, pos, state.max_seq_len)].set(
-        tokens, mode="drop"
+def zero_slots(pools: KVPools, slots) -> KVPools:
+    """Zero single slots (i32[K] `page * page_size + offset`; P * page_size drops)."""
+    ps = pools.page_size
+    page, off = slots // ps, slots % ps
+    return dataclasses.replace(
+        pools,
+        c_kv=pools.c_kv.at[:, page, off].set(0, mode="drop"),
+        k_pe=pools.k_pe.at[:, page, off].set(0, mode="drop"),
     )
-    new = dataclasses.replace(
-        state,
-        c_kv=c_kv,
-        k_pe=k_pe,
-        page_table=page_table,
-        refcount=refcount,
-        token_ids=token_ids,
-        lengths=state.lengths.at[seqs].add(counts),
-        positions=state.positions.at[seqs].add(counts),
-    )
-    return new, slots
 
 
 def write_kv(
-    state: PagedKVState,
+    pools: KVPools,
     layer: int,
     slots: jax.Array,  # i32[...] destination slots; P * page_size drops
     c_kv: jax.Array,  # [..., R]
     k_pe: jax.Array,  # [..., Dr]
-) -> PagedKVState:
+) -> KVPools:
     """Store one layer's latent and rope band at `slots` (cast to the storage dtypes)."""
-    ps = state.page_size
+    ps = pools.page_size
     page, off = slots // ps, slots % ps
 
     def put(pool, rows, dtype):  # in place on the storage pool (see the module docstring)
-        return pool.at[layer, page, off].set(encode(rows, dtype), mode="drop")
+        return pool.at[layer, page, off].set(to_storage(rows, dtype), mode="drop")
 
     return dataclasses.replace(
-        state,
-        c_kv=put(state.c_kv, c_kv, state.kv_dtype),
-        k_pe=put(state.k_pe, k_pe, state.k_pe_dtype),
+        pools,
+        c_kv=put(pools.c_kv, c_kv, pools.kv_dtype),
+        k_pe=put(pools.k_pe, k_pe, pools.k_pe_dtype),
     )
 
 
 def gather_kv(
-    state: PagedKVState,
+    pools: KVPools,
     layer: int,
     pages: jax.Array,  # i32[..., W] page ids (P = none)
     valid: jax.Array,  # bool[..., W * page_size] slots that hold tokens
@@ -342,44 +431,26 @@ def gather_kv(
     """Read one layer's latent and rope band (as kv_dtype / k_pe_dtype) for a run of pages.
     Slots that are not valid come back as zeros, whatever the pool holds there (unused pages
     may hold anything, even NaN)."""
-    c = decode(state.c_kv[layer].at[pages].get(mode="fill", fill_value=0), state.kv_dtype)
-    k = decode(state.k_pe[layer].at[pages].get(mode="fill", fill_value=0), state.k_pe_dtype)
+    c = from_storage(pools.c_kv[layer].at[pages].get(mode="fill", fill_value=0), pools.kv_dtype)
+    k = from_storage(pools.k_pe[layer].at[pages].get(mode="fill", fill_value=0), pools.k_pe_dtype)
     c = c.reshape(*pages.shape[:-1], -1, c.shape[-1])
     k = k.reshape(*pages.shape[:-1], -1, k.shape[-1])
     return jnp.where(valid[..., None], c, 0), jnp.where(valid[..., None], k, 0)
 
 
-# ---- host-side views ------------------------------------------------------------------------
-def host_meta(state: PagedKVState) -> dict[str, np.ndarray]:
-    """Page tables, lengths, open flags and refcounts on the host (one small transfer)."""
-    pt, ln, ac, rc = jax.device_get((state.page_table, state.lengths, state.active, state.refcount))
-    return {"page_table": pt, "lengths": ln, "active": ac, "refcount": rc}
-
-
-def table_references(meta, page_size: int, num_pages: int) -> np.ndarray:
-    """i32[P]: how many open sequences' page tables list each page (within their lengths)."""
-    counts = np.zeros(num_pages, np.int32)
-    for q in np.flatnonzero(meta["active"]):
-        used = meta["page_table"][q, : -(-int(meta["lengths"][q]) // page_size)]
-        np.add.at(counts, used[used < num_pages], 1)
-    return counts
-
-
+# ---- host views -------------------------------------------------------------------------------
 def tokens(state: PagedKVState, seq: int) -> list[int]:
     """The token ids of sequence `seq` as it is now."""
-    meta = host_meta(state)
-    check_seq(meta, state, seq, must_be_open=True)
-    n = int(meta["lengths"][seq])
-    return [int(x) for x in np.asarray(state.token_ids[seq])[:n]]
+    check_seq(state, seq, must_be_open=True)
+    return state.token_ids[seq].tolist()
 
 
-def check_seq(meta, state: PagedKVState, seq, *, must_be_open: bool) -> int:
-    """Raise SequenceError unless `seq` is an int in range (and open, if asked); `meta` is
-    `host_meta(state)`."""
+def check_seq(state: PagedKVState, seq, *, must_be_open: bool) -> int:
+    """Raise SequenceError unless `seq` is an int in range (and open, if asked)."""
     if isinstance(seq, bool) or not isinstance(seq, (int, np.integer)):
         raise SequenceError(f"sequence id must be an int, got {seq!r}")
     if not 0 <= seq < state.max_seqs:
         raise SequenceError(f"sequence {seq} is out of range [0, {state.max_seqs})")
-    if must_be_open and not meta["active"][seq]:
+    if must_be_open and not state.active[seq]:
         raise SequenceError(f"sequence {seq} is not open")
     return int(seq)

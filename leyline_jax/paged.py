@@ -1,9 +1,10 @@
 """Paged prefill and decode over `PagedKVState`, and the checked public state operations.
 
-Each public function validates on the host first (one small metadata transfer), so a bad call
-raises before anything changes; then it pads to a bucketed shape and calls a private jitted step
-that donates the state. Donation means the state passed in is consumed: keep using the returned
-one.
+Each public function validates on the host first (the bookkeeping is host data: no device
+read), so a bad call raises before anything changes; then the host plans the step (pages,
+slots, copy-on-write pairs), pads it to a bucketed shape and calls the one private jitted step,
+which donates the pools. Donation means the state passed in is consumed: keep using the
+returned one.
 
 Attention form. With T query tokens against S cached slots, the expanded form (K_nope and V per
 head from the gathered latent) costs S·R·N·(Dn+Dv) to expand plus T·S·N·(Dn+Dr+Dv) to attend;
@@ -15,6 +16,7 @@ shapes: short chunks and directive fills) and expands otherwise (long prompt chu
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 
@@ -46,12 +48,12 @@ def page_width(state: PagedKVState, length: int) -> int:
 
 # ---- the model over a paged cache (traced inside the jitted steps) ---------------------------
 def _forward_paged(
-    model: MLAModel, state: PagedKVState, tokens, positions, slots, pages, mask, *, absorbed: bool
+    model: MLAModel, pools: kv.KVPools, tokens, positions, slots, pages, mask, *, absorbed: bool
 ):
     """Run the decoder over new tokens whose KV goes to `slots`, attending through `pages`.
 
     Batched over rows: tokens/positions/slots [B, T], pages [B, W], mask bool[B, T, W*page_size].
-    Returns the final hidden states [B, T, H] (after the final norm) and the new state.
+    Returns the final hidden states [B, T, H] (after the final norm) and the new pools.
     """
     valid = mask.any(axis=1)  # [B, S] slots some query of the row may read
     attend = jax.vmap(
@@ -64,19 +66,20 @@ def _forward_paged(
         x = layer.input_norm(h)
         q_nope, q_pe = attn.queries(x, positions)
         c_new, k_new = attn.latent(x, positions)
-        state = kv.write_kv(state, i, slots, c_new, k_new)
-        c_all, k_all = kv.gather_kv(state, i, pages, valid)
+        pools = kv.write_kv(pools, i, slots, c_new, k_new)
+        c_all, k_all = kv.gather_kv(pools, i, pages, valid)
         w_kb, w_vb = attn.kv_up()
         o = attend(q_nope, q_pe, c_all.astype(h.dtype), k_all.astype(h.dtype), w_kb, w_vb, mask)
         h = layer.feed_forward(h + attn.output(o))
-    return model.final_norm(h), state
+    return model.final_norm(h), pools
 
 
-def _attention_mask(state, lengths_after, positions, width):
-    """bool[B, T, W*ps]: slot s readable by the query at `positions[b, t]`."""
-    slot = jnp.arange(width * state.page_size)
+def _attention_mask(page_size: int, kv_lens, positions, width: int):
+    """bool[B, T, W*ps]: slot s readable by the query at `positions[b, t]` (causal, and inside
+    the row's `kv_lens[b]` tokens)."""
+    slot = jnp.arange(width * page_size)
     return (slot[None, None, :] <= positions[:, :, None]) & (
-        slot[None, None, :] < lengths_after[:, None, None]
+        slot[None, None, :] < kv_lens[:, None, None]
     )
 
 
@@ -90,85 +93,136 @@ def _absorb(config, t: int) -> bool:
     )
 
 
-def _fill(model, state, seq, tokens, start, count, width):
-    """Run `count` real tokens (of `tokens`, i32[T]) at positions start.. of `seq`, whose slots the
-    page table already holds; each attends to every slot before it. Returns the state and the
-    float32 logits after the last real token."""
+@functools.partial(jax.jit, static_argnums=0, static_argnames="absorbed", donate_argnames="pools")
+def _step(
+    graphdef,
+    params,
+    pools,
+    cow_src,
+    cow_dst,
+    tokens,
+    positions,
+    slots,
+    pages,
+    kv_lens,
+    last,
+    *,
+    absorbed,
+):
+    """The one device step: copy shared pages first (`cow_src` -> `cow_dst`, i32[K]; P drops),
+    then run rows of new tokens (tokens/positions/slots i32[B, T]; slot P*page_size drops), each
+    attending through its pages (i32[B, W]) to the slots before it inside its `kv_lens[b]`.
+    Returns the pools and float32 logits [B, vocab] after token `last[b]` of each row."""
+    model = nnx.merge(graphdef, params)
+    pools = kv.copy_pages(pools, cow_src, cow_dst)
+    mask = _attention_mask(pools.page_size, kv_lens, positions, pages.shape[1])
+    h, pools = _forward_paged(
+        model, pools, tokens, positions, slots, pages, mask, absorbed=absorbed
+    )
+    return pools, model.logits(h[jnp.arange(tokens.shape[0]), last])
+
+
+_zero = jax.jit(kv.zero_pages, donate_argnums=0)
+
+
+# ---- host planning --------------------------------------------------------------------------
+def _pad(a, size: int, fill: int) -> np.ndarray:
+    out = np.full(size, fill, np.int32)
+    out[: len(a)] = a
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Rows:
+    """A step's rows, bucketed and padded (host arrays): what `_step` runs."""
+
+    tokens: np.ndarray  # i32[B, T]
+    positions: np.ndarray  # i32[B, T]
+    slots: np.ndarray  # i32[B, T]; padding = P * page_size (dropped)
+    pages: np.ndarray  # i32[B, W]
+    kv_lens: np.ndarray  # i32[B]
+    last: np.ndarray  # i32[B] the token whose logits a row returns
+    cow_src: np.ndarray  # i32[B] pages to copy first (padding: P)
+    cow_dst: np.ndarray  # i32[B]
+
+    @property
+    def width(self) -> int:
+        return self.pages.shape[1]
+
+
+def _rows(state: PagedKVState, seqs, blocks, starts, slots, min_tokens: int, cow=None) -> Rows:
+    """Rows running blocks[i] at positions starts[i].. of seqs[i], whose KV goes to slots[i]
+    (pages already in `state`'s table). Padding rows attend to one empty slot and write
+    nothing."""
+    p, ps = state.num_pages, state.page_size
+    b, t = bucket(len(seqs)), bucket(max(len(x) for x in blocks), min_tokens)
+    kv_lens = np.ones(b, np.int32)
+    kv_lens[: len(seqs)] = [a + len(x) for a, x in zip(starts, blocks, strict=True)]
+    w = page_width(state, int(kv_lens.max()))
+    rows = Rows(
+        tokens=np.zeros((b, t), np.int32),
+        positions=np.zeros((b, t), np.int32),
+        slots=np.full((b, t), p * ps, np.int32),
+        pages=np.full((b, w), p, np.int32),
+        kv_lens=kv_lens,
+        last=np.zeros(b, np.int32),
+        cow_src=_pad(cow.cow_src if cow else [], b, p),
+        cow_dst=_pad(cow.cow_dst if cow else [], b, p),
+    )
+    for i, (q, x, a, sl) in enumerate(zip(seqs, blocks, starts, slots, strict=True)):
+        rows.tokens[i, : len(x)] = x
+        rows.positions[i] = a + np.arange(t)
+        rows.slots[i, : len(x)] = sl
+        rows.pages[i] = state.page_table[q, :w]
+        rows.last[i] = len(x) - 1
+    return rows
+
+
+def _run(model, state: PagedKVState, rows: Rows, graph=None):
+    graphdef, params = nnx.split(model) if graph is None else graph
+    pools, logits = _step(
+        graphdef,
+        params,
+        state.pools,
+        *(
+            jnp.asarray(a)
+            for a in (
+                rows.cow_src,
+                rows.cow_dst,
+                rows.tokens,
+                rows.positions,
+                rows.slots,
+                rows.pages,
+                rows.kv_lens,
+                rows.last,
+            )
+        ),
+        absorbed=_absorb(model.config, rows.tokens.shape[1]),
+    )
+    return state.replace(pools=pools), logits
+
+
+def _append(model, state: PagedKVState, seqs, blocks, min_tokens: int, graph=None):
+    """Append blocks[i] to open, distinct seqs[i] (checked) and run them in one step."""
+    starts = [int(state.lengths[q]) for q in seqs]
+    state, plan = kv.append(state, seqs, blocks)
+    rows = _rows(state, seqs, blocks, starts, plan.slots, min_tokens, cow=plan)
+    return _run(model, state, rows, graph)
+
+
+def fill(model, state: PagedKVState, seq: int, start: int, tokens, graph=None):
+    """Run `tokens` at positions start.. of open `seq`, whose slots its page table already
+    holds (a directive's replacement after a splice); each attends to the slots before it.
+    Returns the state and float32 logits [vocab] after the last one. Checked by the caller."""
     ps = state.page_size
-    positions = (start + jnp.arange(tokens.shape[0]))[None]  # [1, T]
-    real = jnp.arange(tokens.shape[0])[None] < count
-    pages = state.page_table[seq, :width][None]  # [1, W]
-    col = jnp.minimum(positions // ps, width - 1)
-    slots = jnp.where(
-        real, jnp.take_along_axis(pages, col, 1) * ps + positions % ps, state.num_pages * ps
-    )
-    mask = _attention_mask(state, (start + count)[None], positions, width)
-    absorbed = _absorb(model.config, tokens.shape[0])
-    h, state = _forward_paged(
-        model, state, tokens[None], positions, slots, pages, mask, absorbed=absorbed
-    )
-    last = jax.lax.dynamic_index_in_dim(h[0], count - 1, keepdims=False)
-    return state, model.logits(last)
-
-
-@functools.partial(jax.jit, static_argnums=0, static_argnames="width", donate_argnames="state")
-def _extend_step(graphdef, params, state, seqs, tokens, counts, *, width):
-    """Append `counts[b]` tokens (of tokens[b], i32[B, T]) to each of `seqs` and run them; each
-    attends to its own sequence. Rows with count 0 are padding. Logits after each row's last."""
-    model = nnx.merge(graphdef, params)
-    state, slots = kv.append_tokens(state, seqs, tokens, counts)
-    after = state.lengths[seqs]
-    positions = (after - counts)[:, None] + jnp.arange(tokens.shape[1])[None]
-    pages = state.page_table[seqs, :width]
-    mask = _attention_mask(state, after, positions, width)
-    absorbed = _absorb(model.config, tokens.shape[1])
-    h, state = _forward_paged(
-        model, state, tokens, positions, slots, pages, mask, absorbed=absorbed
-    )
-    last = h[jnp.arange(tokens.shape[0]), jnp.maximum(counts - 1, 0)]
-    return state, model.logits(last)
-
-
-@functools.partial(jax.jit, static_argnums=0, static_argnames="width", donate_argnames="state")
-def _fill_step(graphdef, params, state, seq, tokens, start, count, *, width):
-    return _fill(nnx.merge(graphdef, params), state, seq, tokens, start, count, width)
-
-
-@functools.partial(jax.jit, static_argnums=0, static_argnames="width", donate_argnames="state")
-def _decode_step(graphdef, params, state, seqs, tokens, counts, *, width):
-    model = nnx.merge(graphdef, params)
-    state, slots = kv.append_tokens(state, seqs, tokens[:, None], counts)
-    after = state.lengths[seqs]
-    positions = (after - counts)[:, None]
-    pages = state.page_table[seqs, :width]
-    mask = _attention_mask(state, after, positions, width)
-    h, state = _forward_paged(
-        model, state, tokens[:, None], positions, slots, pages, mask, absorbed=True
-    )
-    return state, model.logits(h[:, 0])
-
-
-_open = jax.jit(kv.open_seq, donate_argnums=0)
-_retain = jax.jit(kv.retain_pages, donate_argnums=0)
-_release = jax.jit(kv.release_pages, donate_argnums=0, static_argnames="zero")
-_adopt = jax.jit(kv.adopt_prefix, donate_argnums=0)
-_free = jax.jit(kv.free_seq, donate_argnums=0)
-_fork = jax.jit(kv.fork_seq, donate_argnums=0)
+    pos = start + np.arange(len(tokens))
+    slots = state.page_table[seq, pos // ps] * ps + pos % ps
+    rows = _rows(state, [seq], [tokens], [start], [slots], MIN_TOKEN_BUCKET)
+    state, logits = _run(model, state, rows, graph)
+    return state, logits[0]
 
 
 # ---- host checks ----------------------------------------------------------------------------
-def _free_pages(meta) -> int:
-    return int((meta["refcount"] == 0).sum())
-
-
-def _last_page_shared(meta, state: PagedKVState, seq: int) -> bool:
-    n = int(meta["lengths"][seq])
-    if n == 0:
-        return False
-    page = int(meta["page_table"][seq, (n - 1) // state.page_size])
-    return bool(meta["refcount"][page] > 1)
-
-
 def _check_room(state: PagedKVState, seq: int, length: int, count: int) -> None:
     if length + count > state.max_seq_len:
         raise SequenceError(
@@ -177,44 +231,23 @@ def _check_room(state: PagedKVState, seq: int, length: int, count: int) -> None:
         )
 
 
-def _rows(state: PagedKVState, meta, seqs: list, blocks: list, min_tokens: int):
-    """Bucketed, padded arguments of a batched step appending blocks[i] to seqs[i]:
-    (seqs i32[B], tokens i32[B, T], counts i32[B], page-table width). Padding rows
-    repeat the first sequence with count 0: they append and write nothing."""
-    b, t = bucket(len(seqs)), bucket(max(len(x) for x in blocks), min_tokens)
-    longest = max(int(meta["lengths"][s]) + len(x) for s, x in zip(seqs, blocks, strict=True))
-    w = page_width(state, longest)
-    pad_seqs = np.full(b, seqs[0], np.int32)
-    pad_seqs[: len(seqs)] = seqs
-    pad_toks = np.zeros((b, t), np.int32)
-    counts = np.zeros(b, np.int32)
-    for i, x in enumerate(blocks):
-        pad_toks[i, : len(x)] = x
-        counts[i] = len(x)
-    return jnp.asarray(pad_seqs), jnp.asarray(pad_toks), jnp.asarray(counts), w
-
-
-def _check_appends(state: PagedKVState, seqs: list, counts: list):
+def _check_appends(state: PagedKVState, seqs: list, counts: list) -> None:
     """Host checks for appending counts[i] tokens to open, distinct seqs[i] (ints, not
-    coerced); returns the meta."""
-    meta = kv.host_meta(state)
+    coerced)."""
     for s in seqs:
-        kv.check_seq(meta, state, s, must_be_open=True)
+        kv.check_seq(state, s, must_be_open=True)
     if len(set(seqs)) != len(seqs):
         raise SequenceError(f"a sequence appears twice in one step: {seqs}")
     need = 0
     for s, n in zip(seqs, counts, strict=True):
-        length = int(meta["lengths"][s])
-        _check_room(state, s, length, n)
-        need += int(
-            kv.pages_needed(length, n, _last_page_shared(meta, state, s), state.page_size)[0]
-        )
-    if need > _free_pages(meta):
+        _check_room(state, s, int(state.lengths[s]), n)
+        need += kv.append_pages(state, s, n)
+    free = len(kv.free_pages(state))
+    if need > free:
         raise OutOfPagesError(
-            f"appending to {len(seqs)} sequences needs {need} pages; {_free_pages(meta)} of "
+            f"appending to {len(seqs)} sequences needs {need} pages; {free} of "
             f"{state.num_pages} are free"
         )
-    return meta
 
 
 # ---- public API -----------------------------------------------------------------------------
@@ -229,34 +262,24 @@ def prefill(
     `OutOfPagesError` when the pool is short — all before the state changes. Donates `state`.
     """
     toks = check_tokens(tokens, model.config.vocab_size)
-    meta = kv.host_meta(state)
-    seq = kv.check_seq(meta, state, seq, must_be_open=False)
-    is_new = not meta["active"][seq]
-    length = 0 if is_new else int(meta["lengths"][seq])
+    seq = kv.check_seq(state, seq, must_be_open=False)
+    is_new = not state.active[seq]
+    length = 0 if is_new else int(state.lengths[seq])
     n = len(toks)
     _check_room(state, seq, length, n)
-    need, _ = kv.pages_needed(length, n, _last_page_shared(meta, state, seq), state.page_size)
-    if need > _free_pages(meta):
+    need = kv.append_pages(state, seq, n) if not is_new else -(-n // state.page_size)
+    free = len(kv.free_pages(state))
+    if need > free:
         raise OutOfPagesError(
             f"prefill of {n} tokens on sequence {seq} needs {need} pages; "
-            f"{_free_pages(meta)} of {state.num_pages} are free"
+            f"{free} of {state.num_pages} are free"
         )
     if is_new:
-        state = _open(state, seq)
-    graphdef, params = nnx.split(model)
+        state = kv.open_seq(state, seq)
+    graph = nnx.split(model)
     for a in range(0, n, PREFILL_CHUNK):
-        chunk = toks[a : a + PREFILL_CHUNK]
-        padded = np.zeros(bucket(len(chunk), MIN_TOKEN_BUCKET), np.int32)
-        padded[: len(chunk)] = chunk
-        end = length + a + len(chunk)
-        state, logits = _extend_step(
-            graphdef,
-            params,
-            state,
-            jnp.asarray([seq], jnp.int32),
-            jnp.asarray(padded[None]),
-            jnp.asarray([len(chunk)], jnp.int32),
-            width=page_width(state, end),
+        state, logits = _append(
+            model, state, [seq], [toks[a : a + PREFILL_CHUNK]], MIN_TOKEN_BUCKET, graph
         )
     return state, logits[0]
 
@@ -280,10 +303,8 @@ def extend(
         raise ValueError(f"{len(seqs)} sequences but {len(blocks)} token blocks")
     if any(len(b) == 0 or len(b) > PREFILL_CHUNK for b in blocks):
         raise ValueError(f"each block needs 1..{PREFILL_CHUNK} tokens")
-    meta = _check_appends(state, seqs, [len(b) for b in blocks])
-    graphdef, params = nnx.split(model) if graph is None else graph
-    rows, toks, counts, width = _rows(state, meta, seqs, blocks, MIN_TOKEN_BUCKET)
-    state, logits = _extend_step(graphdef, params, state, rows, toks, counts, width=width)
+    _check_appends(state, seqs, [len(b) for b in blocks])
+    state, logits = _append(model, state, seqs, blocks, MIN_TOKEN_BUCKET, graph)
     return state, logits[: len(seqs)]
 
 
@@ -304,92 +325,80 @@ def decode(
     toks = check_tokens(tokens, model.config.vocab_size)
     if len(seqs) != len(toks):
         raise ValueError(f"{len(seqs)} sequences but {len(toks)} tokens")
-    meta = _check_appends(state, seqs, [1] * len(seqs))
-    graphdef, params = nnx.split(model) if graph is None else graph
-    rows, padded, counts, width = _rows(state, meta, seqs, [[t] for t in toks], 1)
-    state, logits = _decode_step(graphdef, params, state, rows, padded[:, 0], counts, width=width)
+    _check_appends(state, seqs, [1] * len(seqs))
+    state, logits = _append(
+        model, state, seqs, [toks[i : i + 1] for i in range(len(seqs))], 1, graph
+    )
     return state, logits[: len(seqs)]
 
 
 def fork(state: PagedKVState, src: int, dst: int) -> PagedKVState:
-    """Open `dst` as a copy of open sequence `src`, sharing its pages. Donates `state`."""
-    meta = kv.host_meta(state)
-    kv.check_seq(meta, state, src, must_be_open=True)
-    kv.check_seq(meta, state, dst, must_be_open=False)
-    if meta["active"][dst]:
+    """Open `dst` as a copy of open sequence `src`, sharing its pages."""
+    kv.check_seq(state, src, must_be_open=True)
+    kv.check_seq(state, dst, must_be_open=False)
+    if state.active[dst]:
         raise SequenceError(f"sequence {dst} is already open")
-    return _fork(state, src, dst)
+    return kv.fork_seq(state, int(src), int(dst))
 
 
 def free(state: PagedKVState, seq: int) -> PagedKVState:
-    """Close open sequence `seq`, releasing its page references. Donates `state`."""
-    meta = kv.host_meta(state)
-    kv.check_seq(meta, state, seq, must_be_open=True)
-    return _free(state, seq)
+    """Close open sequence `seq`, releasing its page references."""
+    kv.check_seq(state, seq, must_be_open=True)
+    return kv.free_seq(state, int(seq))
 
 
 def _page_list(state: PagedKVState, pages) -> np.ndarray:
     p = check_ids(pages, state.num_pages, "page id", allow_empty=True)
     if len(np.unique(p)) != len(p):
         raise ValueError("page ids must be distinct")
-    out = np.full(bucket(max(len(p), 1)), state.num_pages, np.int32)
-    out[: len(p)] = p
-    return out
+    return p
 
 
 def retain(state: PagedKVState, pages) -> PagedKVState:
     """Take a reference to each of `pages` (pages in use) for a holder outside any sequence,
-    such as a prefix cache. Donates `state`."""
+    such as a prefix cache."""
     p = _page_list(state, pages)
-    rc = np.asarray(state.refcount)
-    if (rc[p[p < state.num_pages]] == 0).any():
+    if (state.refcount[p] == 0).any():
         raise ValueError("only pages in use can be retained")
-    return _retain(state, jnp.asarray(p))
+    return kv.retain_pages(state, p)
 
 
 def release(state: PagedKVState, pages, *, zero: bool = False) -> PagedKVState:
-    """Drop a reference taken with `retain`; with `zero`, pages left unreferenced are zeroed.
-    A page whose references all come from sequences' page tables is refused (ValueError): its
-    holders free it with `free`. Donates `state`."""
+    """Drop a reference taken with `retain`; with `zero`, pages left unreferenced are zeroed
+    (on the device). A page whose references all come from sequences' page tables is refused
+    (ValueError): its holders free it with `free`. Donates `state`."""
     p = _page_list(state, pages)
-    meta = kv.host_meta(state)
-    outside = meta["refcount"] - kv.table_references(meta, state.page_size, state.num_pages)
-    held = p[p < state.num_pages]
-    if (outside[held] < 1).any():
-        bad = int(held[outside[held] < 1][0])
+    outside = state.refcount - kv.table_references(state)
+    if (outside[p] < 1).any():
+        bad = int(p[outside[p] < 1][0])
         raise ValueError(
             f"page {bad} holds no reference taken with retain (only sequences reference it)"
         )
-    return _release(state, jnp.asarray(p), zero=zero)
+    state, dead = kv.release_pages(state, p)
+    if zero and len(dead):
+        pools = _zero(state.pools, jnp.asarray(_pad(dead, bucket(len(dead)), state.num_pages)))
+        state = state.replace(pools=pools)
+    return state
 
 
 def adopt(state: PagedKVState, seq: int, pages, tokens) -> PagedKVState:
     """Open `seq` as the `len(tokens)` tokens whose KV is held in the full pages `pages` (a
-    prefix cache hit): the sequence shares those pages and appends after them. Donates
-    `state`."""
-    meta = kv.host_meta(state)
-    seq = kv.check_seq(meta, state, seq, must_be_open=False)
-    if meta["active"][seq]:
+    prefix cache hit): the sequence shares those pages and appends after them."""
+    seq = kv.check_seq(state, seq, must_be_open=False)
+    if state.active[seq]:
         raise SequenceError(f"sequence {seq} is already open")
     p = check_ids(pages, state.num_pages, "page id", allow_empty=True)
     tokens = check_tokens(tokens, state.vocab_size, allow_empty=True)
     if len(tokens) != len(p) * state.page_size or len(tokens) > state.max_seq_len:
         raise ValueError("adopted tokens must fill the given pages exactly")
-    if (meta["refcount"][p] == 0).any():
+    if (state.refcount[p] == 0).any():
         raise ValueError("adopted pages must be pages in use")
-    row = np.full(state.max_pages_per_seq, state.num_pages, np.int32)
-    row[: len(p)] = p
-    tok = np.zeros(state.max_seq_len, np.int32)
-    tok[: len(tokens)] = tokens
-    return _adopt(state, jnp.int32(seq), jnp.asarray(row), jnp.asarray(tok), jnp.int32(len(tokens)))
+    return kv.adopt_prefix(state, seq, p, tokens)
 
 
 def compile_counts() -> dict[str, int]:
     """How many shapes each jitted step has compiled (for tests and benchmarks)."""
-    steps = {"extend": _extend_step, "decode": _decode_step, "fill": _fill_step}
-    ops = {"open": _open, "retain": _retain, "release": _release, "adopt": _adopt}
-    ops |= {"free": _free, "fork": _fork}
-    return {name: f._cache_size() for name, f in (steps | ops).items()}
+    return {"step": _step._cache_size(), "zero": _zero._cache_size()}
 
 
 __all__ = [
@@ -400,6 +409,7 @@ __all__ = [
     "compile_counts",
     "decode",
     "extend",
+    "fill",
     "fork",
     "free",
     "prefill",

@@ -345,23 +345,20 @@ class Engine:
         self._decode_batch()
 
     # ---- admission ----------------------------------------------------------------------------
-    def _meta(self):
-        return kv.host_meta(self.state)
-
     def _running(self) -> list[Request]:
         return [s.active for s in self.sessions.values() if s.active is not None]
 
-    def _still_needs(self, req: Request, meta) -> int:
+    def _still_needs(self, req: Request) -> int:
         """Pages a running turn may still take: its remaining prompt and token budget."""
         s, ps = req.session, self.page_size
-        n = int(meta["lengths"][s.seq])
+        n = int(self.state.lengths[s.seq])
         final = n + len(req.pending) + req.sampling.max_new_tokens - req.fed
-        shared = n % ps and meta["refcount"][meta["page_table"][s.seq, (n - 1) // ps]] > 1
+        shared = kv.last_page_shared(self.state, s.seq)
         return -(-final // ps) - (-(-n // ps)) + int(bool(shared))
 
-    def _available(self, meta) -> int:
-        free = int((meta["refcount"] == 0).sum())
-        return free - sum(self._still_needs(r, meta) for r in self._running())
+    def _available(self) -> int:
+        free = len(kv.free_pages(self.state))
+        return free - sum(self._still_needs(r) for r in self._running())
 
     def _admit(self) -> None:
         self._queued.sort(key=lambda x: x[0])
@@ -399,13 +396,13 @@ class Engine:
         held = plan.edited if plan.directives else s.cached
         return held - 1 if held == len(plan.prompt) else held
 
-    def _need(self, req: Request, plan: _Plan, meta) -> tuple[int, int]:
+    def _need(self, req: Request, plan: _Plan) -> tuple[int, int]:
         """(pages the turn may take at most, pages the session keeps whatever happens)."""
         s, ps = req.session, self.page_size
         final = len(plan.prompt) + req.sampling.max_new_tokens
         if s.seq is None:
             return -(-final // ps) + 1, 0
-        n = int(meta["lengths"][s.seq])
+        n = int(self.state.lengths[s.seq])
         first = plan.directives[0].start if plan.directives else n
         keep = min(first, len(plan.prompt) - 1) // ps  # a re-fed last token may cut a page
         return -(-final // ps) - keep + 1, keep
@@ -429,8 +426,7 @@ class Engine:
             # nothing of the cached KV survives the edit: the session's KV starts again
             self._offload(s)
             self._purge(s, plan.directives)
-        meta = self._meta()
-        need, keep = self._need(req, plan, meta)
+        need, keep = self._need(req, plan)
         if need > self.state.num_pages - keep:
             return self._fail(
                 req,
@@ -439,7 +435,7 @@ class Engine:
                     f"has {self.state.num_pages} ({keep} held by the session itself)"
                 ),
             )
-        if not self._make_room(need, s, meta):
+        if not self._make_room(need, s):
             return "wait"
         fresh = s.seq is None
         if fresh and not self._take_slot(s):
@@ -451,21 +447,19 @@ class Engine:
             return "wait"
         return "admitted"
 
-    def _make_room(self, need: int, for_session: Session, meta) -> bool:
+    def _make_room(self, need: int, for_session: Session) -> bool:
         """Evict radix leaves, then offload idle sessions, until `need` pages are available."""
-        while self._available(meta) < need:
+        while self._available() < need:
             if self.radix is not None:
-                pages = self.radix.evict(need - self._available(meta), meta["refcount"])
+                pages = self.radix.evict(need - self._available(), self.state.refcount)
                 if pages:
                     self.state = paged.release(self.state, pages)
                     self.counters["radix_evicted_pages"] += len(pages)
-                    meta = self._meta()
                     continue
             victim = self._idle_victim(exclude=for_session)
             if victim is None:
                 return False
             self._offload(victim)
-            meta = self._meta()
         return True
 
     def _idle_victim(self, exclude: Session) -> Session | None:
@@ -507,7 +501,7 @@ class Engine:
         n = min(s.clean, s.cached) // ps
         if n == 0:
             return
-        row = np.asarray(self.state.page_table[s.seq])[:n]  # one shape, whatever n is
+        row = self.state.page_table[s.seq, :n]
         taken = self.radix.insert(s.tokens[: n * ps], [int(p) for p in row])
         if taken:
             self.state = paged.retain(self.state, taken)
@@ -682,8 +676,10 @@ class Engine:
             col([r.sampling.seed for r in rows], np.uint32),
             col([len(r.output) for r in rows], np.int32),
         )
+        with jax.transfer_guard_device_to_host("allow"):  # the one read a step makes
+            toks = np.asarray(toks)[: len(rows)].tolist()
         now = time.perf_counter()
-        for r, t in zip(rows, np.asarray(toks)[: len(rows)].tolist(), strict=False):
+        for r, t in zip(rows, toks, strict=True):
             s = r.session
             r.output.append(t)
             s.tokens.append(t)

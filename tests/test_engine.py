@@ -8,6 +8,7 @@ functional core (lineage). fp32 cache and params, greedy: tokens must be identic
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -396,9 +397,9 @@ def test_rows_are_grouped_by_padded_shape(model, monkeypatch):
     calls = []
     rows = paged._rows
 
-    def spy(state, meta, seqs, blocks, min_tokens):
-        out = rows(state, meta, seqs, blocks, min_tokens)
-        calls.append((list(seqs), out[3]))  # sequences, page-table width
+    def spy(state, seqs, *args, **kw):
+        out = rows(state, seqs, *args, **kw)
+        calls.append((list(seqs), out.width))  # sequences, page-table width
         return out
 
     monkeypatch.setattr(paged, "_rows", spy)
@@ -421,3 +422,26 @@ def test_rows_are_grouped_by_padded_shape(model, monkeypatch):
         want = solo.submit(solo.open_session(), p, sampling=SamplingParams(max_new_tokens=4))
         solo.run_until_idle()
         assert r.result() == want.result()
+
+
+def test_a_step_reads_only_the_sampled_tokens(model):
+    """The bookkeeping is host data: prefills, decodes, AMORTIZE and FORGET edits, radix hits
+    and evictions run with device-to-host transfers disallowed, except the sampled tokens the
+    engine reads explicitly. On an accelerator the guard is shown to be real (reading the pools
+    inside it raises); on CPU, where arrays already live in host memory, JAX's guard sees no
+    transfer at all, so there `test_bookkeeping_needs_no_device` carries the proof."""
+    engine = make_engine(model, num_pages=40)
+    first = [engine.open_session() for _ in range(3)]
+    with jax.transfer_guard_device_to_host("disallow"):
+        reqs = [
+            engine.submit(s, SYSTEM + [i] * (5 + 9 * i), sampling=SamplingParams(3))
+            for i, s in enumerate(first)
+        ]
+        engine.run_until_idle()
+        engine.submit(first[0], [7], directives=[ll.Directive(22, 25, [9, 9])]).result()
+        engine.submit(first[1], [], directives=[ll.Directive(21, 30, (), ll.Mode.FORGET)]).result()
+        engine.submit_prompt(first[2], SYSTEM + [5, 6]).result()
+        if jax.default_backend() != "cpu":  # on CPU arrays are host memory: nothing to guard
+            with pytest.raises(Exception, match="[Dd]isallowed"):
+                np.asarray(engine.state.c_kv)
+    assert all(len(r.result()) == 3 for r in reqs)

@@ -138,11 +138,10 @@ KV_TOL = 1e-4
 
 
 def check_refcounts(engine: Engine) -> None:
-    meta = kv.host_meta(engine.state)
-    want = kv.table_references(meta, engine.page_size, engine.state.num_pages)
+    want = kv.table_references(engine.state)
     for p in engine.radix.pages():
         want[p] += 1
-    np.testing.assert_array_equal(meta["refcount"], want)
+    np.testing.assert_array_equal(engine.state.refcount, want)
 
 
 class EngineMachine(RuleBasedStateMachine):
@@ -426,11 +425,11 @@ class EngineMachine(RuleBasedStateMachine):
 
     @invariant()
     def cache_describes_tokens(self):
-        meta = kv.host_meta(self.engine.state)
+        state = self.engine.state
         for sid, s in self.engine.sessions.items():
             if s.seq is not None:
-                assert meta["active"][s.seq]
-                assert int(meta["lengths"][s.seq]) == s.cached <= len(s.tokens)
+                assert state.active[s.seq]
+                assert int(state.lengths[s.seq]) == s.cached <= len(s.tokens)
                 assert ll.tokens(self.engine.state, s.seq) == s.tokens[: s.cached]
             m = self.sessions[sid]
             if not m.in_flight():

@@ -143,10 +143,10 @@ def test_unused_pages_are_never_read(np_ckpt, kv_dtype):
         )
         if poison:
             nan = {
-                name: kv.encode(jnp.full(getattr(state, name).shape, jnp.nan), dt)
+                name: kv.to_storage(jnp.full(getattr(state, name).shape, jnp.nan), dt)
                 for name, dt in (("c_kv", state.kv_dtype), ("k_pe", state.k_pe_dtype))
             }
-            state = dataclasses.replace(state, **nan)
+            state = state.replace(pools=dataclasses.replace(state.pools, **nan))
         state, a = ll.prefill(model, state, 0, prompt)
         state, b = ll.decode(model, state, [0], [3])
         return np.asarray(a), np.asarray(b)
@@ -221,7 +221,7 @@ def test_compiles_once_per_bucket(np_ckpt):
             if length + n > 500:
                 continue
             prefill_keys.add(
-                (paged.bucket(n, paged.MIN_TOKEN_BUCKET), paged.bucket(-(-(length + n) // 16)))
+                (1, paged.bucket(n, paged.MIN_TOKEN_BUCKET), paged.bucket(-(-(length + n) // 16)))
             )
             state, _ = ll.prefill(model, state, s, random_tokens(n, seed=int(rng.integers(99))))
             open_seqs[s] = length + n
@@ -230,19 +230,19 @@ def test_compiles_once_per_bucket(np_ckpt):
                 rng.choice(list(open_seqs), size=min(3, len(open_seqs)), replace=False).tolist()
             )
             longest = max(open_seqs[s] for s in batch) + 1
-            decode_keys.add((paged.bucket(len(batch)), paged.bucket(-(-longest // 16))))
+            decode_keys.add((paged.bucket(len(batch)), 1, paged.bucket(-(-longest // 16))))
             state, _ = ll.decode(model, state, batch, [1] * len(batch))
             for s in batch:
                 open_seqs[s] += 1
     after = paged.compile_counts()
-    assert after["extend"] - before["extend"] <= len(prefill_keys)
-    assert after["decode"] - before["decode"] <= len(decode_keys)
+    # one step program per (rows, tokens, page-table width) bucket
+    assert after["step"] - before["step"] <= len(prefill_keys | decode_keys)
     # and a repeat of an already-seen shape compiles nothing
     s = next(iter(open_seqs))
     n_before = paged.compile_counts()
     state, _ = ll.decode(model, state, [s], [2])
     state, _ = ll.decode(model, state, [s], [3])
-    assert paged.compile_counts()["decode"] - n_before["decode"] <= 1
+    assert paged.compile_counts()["step"] - n_before["step"] <= 1
 
 
 def test_long_prefill_runs_in_chunks(np_ckpt):
@@ -255,3 +255,28 @@ def test_long_prefill_runs_in_chunks(np_ckpt):
     state, logits = ll.prefill(model, state, 0, tokens)
     assert_logits_match(np.asarray(logits), np.asarray(model(tokens))[-1])
     assert ll.tokens(state, 0) == tokens.tolist()
+
+
+def test_bookkeeping_needs_no_device(np_ckpt):
+    """Every host operation and check works with the device pools deleted: the page table,
+    lengths, token ids and refcounts are host data, and nothing but a device step reads the
+    pools (a deleted array raises on any read)."""
+    model = ll.load_model(np_ckpt("deepseek_v3"))
+    state = ll.init_state(model.config, num_pages=16, page_size=4, max_seqs=4)
+    state, _ = ll.prefill(model, state, 0, random_tokens(9))
+    for leaf in jax.tree.leaves(state.pools):
+        leaf.delete()
+    state = ll.fork(state, 0, 1)
+    state = paged.retain(state, [int(state.page_table[0, 0])])
+    state = paged.adopt(state, 2, [int(state.page_table[0, 0])], random_tokens(9)[:4].tolist())
+    state = paged.release(state, [int(state.page_table[0, 0])])
+    state = ll.free(state, 1)
+    assert ll.tokens(state, 0) == random_tokens(9).tolist()
+    with pytest.raises(ll.OutOfPagesError):
+        ll.prefill(model, state, 3, random_tokens(60))
+    with pytest.raises(ll.SequenceError):
+        ll.decode(model, state, [1], [1])
+    with pytest.raises(ll.DirectiveError):
+        ll.apply_directive(model, state, 0, ll.Directive(3, 99))
+    with pytest.raises(RuntimeError, match="deleted"):  # a device step does read the pools
+        ll.decode(model, state, [0], [1])
