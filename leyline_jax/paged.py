@@ -6,12 +6,17 @@ slots, copy-on-write pairs), pads it to a bucketed shape and calls the one priva
 which donates the pools. Donation means the state passed in is consumed: keep using the
 returned one.
 
-Attention form. With T query tokens against S cached slots, the expanded form (K_nope and V per
-head from the gathered latent) costs S·R·N·(Dn+Dv) to expand plus T·S·N·(Dn+Dr+Dv) to attend;
-the absorbed form (queries multiplied into the latent space, attention reading `c_kv` and `k_pe`
-directly, no per-head K/V for the cache) costs T·S·N·(2R+Dr). Decode (T = 1 per sequence)
-always absorbs; a prefill block absorbs when T·(2R+Dr) < R·(Dn+Dv) (T < 120 for DeepSeek
-shapes: short chunks and directive fills) and expands otherwise (long prompt chunks).
+The step is ragged: prefill chunks, decode tokens and directive fills of many sequences are one
+flattened batch of new tokens with per-row metadata (query offsets `cu_q_lens`, KV lengths,
+page-table rows), and attention (`pallas_kernels.ragged_paged_attention`) touches only each
+row's real pages, so a step's cost follows the sequences' real lengths. Compiled shapes depend
+on two buckets only (total new tokens, rows): the page-table rows are passed whole.
+
+Attention form: absorbed (queries multiplied into the latent space; attention reads `c_kv` and
+`k_pe` in place and never materialises per-head K/V). Against the expanded form (K_nope and V
+per head from the gathered latent: S·R·N·(Dn+Dv) to expand plus T·S·N·(Dn+Dr+Dv) to attend)
+it costs T·S·N·(2R+Dr): cheaper for decode and short chunks, up to ~2.4x dearer in flops for
+1024-token chunks at DeepSeek shapes; one form keeps one kernel.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ from flax import nnx
 from leyline_jax import kv_state as kv
 from leyline_jax.config import check_ids, check_tokens
 from leyline_jax.kv_state import OutOfPagesError, PagedKVState, SequenceError
-from leyline_jax.model import MLAModel, mla_attention
+from leyline_jax.model import MLAModel
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
 MIN_TOKEN_BUCKET = 16
 # Longer prefills run in chunks of this many tokens (bounds the [N, T, S] score buffer).
@@ -41,85 +47,49 @@ def bucket(n: int, minimum: int = 1, maximum: int | None = None) -> int:
     return b if maximum is None else min(b, maximum)
 
 
-def page_width(state: PagedKVState, length: int) -> int:
-    """Page-table width (bucketed) of a step whose rows hold at most `length` tokens."""
-    return bucket(-(-length // state.page_size), maximum=state.max_pages_per_seq)
-
-
-# ---- the model over a paged cache (traced inside the jitted steps) ---------------------------
-def _forward_paged(
-    model: MLAModel, pools: kv.KVPools, tokens, positions, slots, pages, mask, *, absorbed: bool
-):
-    """Run the decoder over new tokens whose KV goes to `slots`, attending through `pages`.
-
-    Batched over rows: tokens/positions/slots [B, T], pages [B, W], mask bool[B, T, W*page_size].
-    Returns the final hidden states [B, T, H] (after the final norm) and the new pools.
-    """
-    valid = mask.any(axis=1)  # [B, S] slots some query of the row may read
-    attend = jax.vmap(
-        functools.partial(mla_attention, scale=model.config.softmax_scale, absorbed=absorbed),
-        in_axes=(0, 0, 0, 0, None, None, 0),  # per row; the up-projections are shared
-    )
+# ---- the model over a paged cache (traced inside the jitted step) ----------------------------
+def _forward_ragged(model: MLAModel, pools: kv.KVPools, tokens, positions, slots, meta):
+    """Run the decoder over a flattened batch of new tokens (i32[T] each; padding slot
+    P*page_size writes nothing) whose KV goes to `slots`; every row attends through its own
+    pages to its own slots only (`pallas_kernels.ragged_paged_attention`, absorbed form: queries
+    multiplied into the latent space, `c_kv` and `k_pe` read in place). `meta`: (kv_lens i32[B],
+    page_indices i32[B, W], cu_q_lens i32[B+1], num_rows i32[1]). Returns the final hidden states
+    [T, H] (after the final norm) and the new pools."""
     h = model.embed_tokens(tokens)
     for i, layer in enumerate(model.layers):
-        attn = layer.attn
-        x = layer.input_norm(h)
-        q_nope, q_pe = attn.queries(x, positions)
-        c_new, k_new = attn.latent(x, positions)
-        pools = kv.write_kv(pools, i, slots, c_new, k_new)
-        c_all, k_all = kv.gather_kv(pools, i, pages, valid)
-        w_kb, w_vb = attn.kv_up()
-        o = attend(q_nope, q_pe, c_all.astype(h.dtype), k_all.astype(h.dtype), w_kb, w_vb, mask)
-        h = layer.feed_forward(h + attn.output(o))
+        with jax.named_scope(f"layer_{i}"):
+            attn = layer.attn
+            x = layer.input_norm(h)
+            q_nope, q_pe = attn.queries(x, positions)
+            c_new, k_new = attn.latent(x, positions)
+            pools = kv.write_kv(pools, i, slots, c_new, k_new)
+            w_kb, w_vb = attn.kv_up()
+            q_lat = jnp.einsum("tnd,rnd->tnr", q_nope, w_kb)
+            out = ragged_paged_attention(
+                q_lat,
+                q_pe,
+                pools.c_kv[i],
+                pools.k_pe[i],
+                *meta,
+                scale=model.config.softmax_scale,
+                kv_dtype=pools.kv_dtype,
+                k_pe_dtype=pools.k_pe_dtype,
+            )
+            o = jnp.einsum("tnr,rnd->tnd", out.astype(h.dtype), w_vb)
+            h = layer.feed_forward(h + attn.output(o))
     return model.final_norm(h), pools
 
 
-def _attention_mask(page_size: int, kv_lens, positions, width: int):
-    """bool[B, T, W*ps]: slot s readable by the query at `positions[b, t]` (causal, and inside
-    the row's `kv_lens[b]` tokens)."""
-    slot = jnp.arange(width * page_size)
-    return (slot[None, None, :] <= positions[:, :, None]) & (
-        slot[None, None, :] < kv_lens[:, None, None]
-    )
-
-
-def _absorb(config, t: int) -> bool:
-    """Absorbed form for a block of t queries? Per slot, expanding K/V costs R·N·(Dn+Dv)
-    multiply-adds once; the absorbed form costs t·N·(2R+Dr) (scores against c_kv and k_pe, and
-    the output in latent space). Short blocks (decode, fills, small chunks) absorb."""
-    c = config
-    return t * (2 * c.kv_lora_rank + c.qk_rope_head_dim) < c.kv_lora_rank * (
-        c.qk_nope_head_dim + c.v_head_dim
-    )
-
-
-@functools.partial(jax.jit, static_argnums=0, static_argnames="absorbed", donate_argnames="pools")
-def _step(
-    graphdef,
-    params,
-    pools,
-    cow_src,
-    cow_dst,
-    tokens,
-    positions,
-    slots,
-    pages,
-    kv_lens,
-    last,
-    *,
-    absorbed,
-):
+@functools.partial(jax.jit, static_argnums=0, donate_argnames="pools")
+def _step(graphdef, params, pools, cow_src, cow_dst, tokens, positions, slots, meta, last):
     """The one device step: copy shared pages first (`cow_src` -> `cow_dst`, i32[K]; P drops),
-    then run rows of new tokens (tokens/positions/slots i32[B, T]; slot P*page_size drops), each
-    attending through its pages (i32[B, W]) to the slots before it inside its `kv_lens[b]`.
-    Returns the pools and float32 logits [B, vocab] after token `last[b]` of each row."""
+    then run a flattened batch of new tokens of many rows (prefill chunks, decode tokens,
+    directive fills alike; see `_forward_ragged`). Returns the pools and float32 logits
+    [B, vocab] after token `last[b]` (a flat index) of each row."""
     model = nnx.merge(graphdef, params)
     pools = kv.copy_pages(pools, cow_src, cow_dst)
-    mask = _attention_mask(pools.page_size, kv_lens, positions, pages.shape[1])
-    h, pools = _forward_paged(
-        model, pools, tokens, positions, slots, pages, mask, absorbed=absorbed
-    )
-    return pools, model.logits(h[jnp.arange(tokens.shape[0]), last])
+    h, pools = _forward_ragged(model, pools, tokens, positions, slots, meta)
+    return pools, model.logits(h[last])
 
 
 _zero = jax.jit(kv.zero_pages, donate_argnums=0)
@@ -134,80 +104,76 @@ def _pad(a, size: int, fill: int) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True)
 class Rows:
-    """A step's rows, bucketed and padded (host arrays): what `_step` runs."""
+    """A step's rows flattened, bucketed and padded (host arrays): what `_step` runs. Shapes
+    depend on the token and row buckets only, never on how long the sequences are."""
 
-    tokens: np.ndarray  # i32[B, T]
-    positions: np.ndarray  # i32[B, T]
-    slots: np.ndarray  # i32[B, T]; padding = P * page_size (dropped)
-    pages: np.ndarray  # i32[B, W]
-    kv_lens: np.ndarray  # i32[B]
-    last: np.ndarray  # i32[B] the token whose logits a row returns
+    tokens: np.ndarray  # i32[T]
+    positions: np.ndarray  # i32[T]
+    slots: np.ndarray  # i32[T]; padding = P * page_size (dropped)
+    kv_lens: np.ndarray  # i32[B]; padding rows 0
+    page_indices: np.ndarray  # i32[B, max_pages]
+    cu_q_lens: np.ndarray  # i32[B + 1]
+    num_rows: np.ndarray  # i32[1]
+    last: np.ndarray  # i32[B] flat index of each row's last token
     cow_src: np.ndarray  # i32[B] pages to copy first (padding: P)
     cow_dst: np.ndarray  # i32[B]
 
-    @property
-    def width(self) -> int:
-        return self.pages.shape[1]
 
-
-def _rows(state: PagedKVState, seqs, blocks, starts, slots, min_tokens: int, cow=None) -> Rows:
+def _rows(state: PagedKVState, seqs, blocks, starts, slots, cow=None) -> Rows:
     """Rows running blocks[i] at positions starts[i].. of seqs[i], whose KV goes to slots[i]
-    (pages already in `state`'s table). Padding rows attend to one empty slot and write
-    nothing."""
+    (pages already in `state`'s table), flattened in row order."""
     p, ps = state.num_pages, state.page_size
-    b, t = bucket(len(seqs)), bucket(max(len(x) for x in blocks), min_tokens)
-    kv_lens = np.ones(b, np.int32)
-    kv_lens[: len(seqs)] = [a + len(x) for a, x in zip(starts, blocks, strict=True)]
-    w = page_width(state, int(kv_lens.max()))
+    counts = np.array([len(x) for x in blocks], np.int32)
+    b, t = bucket(len(seqs)), bucket(int(counts.sum()), MIN_TOKEN_BUCKET)
+    cu = np.zeros(b + 1, np.int32)
+    cu[1 : len(seqs) + 1] = np.cumsum(counts)
+    cu[len(seqs) + 1 :] = cu[len(seqs)]
     rows = Rows(
-        tokens=np.zeros((b, t), np.int32),
-        positions=np.zeros((b, t), np.int32),
-        slots=np.full((b, t), p * ps, np.int32),
-        pages=np.full((b, w), p, np.int32),
-        kv_lens=kv_lens,
-        last=np.zeros(b, np.int32),
+        tokens=np.zeros(t, np.int32),
+        positions=np.zeros(t, np.int32),
+        slots=np.full(t, p * ps, np.int32),
+        kv_lens=np.zeros(b, np.int32),
+        page_indices=np.full((b, state.max_pages_per_seq), p, np.int32),
+        cu_q_lens=cu,
+        num_rows=np.array([len(seqs)], np.int32),
+        last=_pad(cu[1 : len(seqs) + 1] - 1, b, 0),
         cow_src=_pad(cow.cow_src if cow else [], b, p),
         cow_dst=_pad(cow.cow_dst if cow else [], b, p),
     )
     for i, (q, x, a, sl) in enumerate(zip(seqs, blocks, starts, slots, strict=True)):
-        rows.tokens[i, : len(x)] = x
-        rows.positions[i] = a + np.arange(t)
-        rows.slots[i, : len(x)] = sl
-        rows.pages[i] = state.page_table[q, :w]
-        rows.last[i] = len(x) - 1
+        lo, hi = cu[i], cu[i + 1]
+        rows.tokens[lo:hi] = x
+        rows.positions[lo:hi] = a + np.arange(len(x))
+        rows.slots[lo:hi] = sl
+        rows.kv_lens[i] = a + len(x)
+        rows.page_indices[i] = state.page_table[q]
     return rows
 
 
 def _run(model, state: PagedKVState, rows: Rows, graph=None):
     graphdef, params = nnx.split(model) if graph is None else graph
+    device = {k: jnp.asarray(v) for k, v in dataclasses.asdict(rows).items()}
+    meta = tuple(device[k] for k in ("kv_lens", "page_indices", "cu_q_lens", "num_rows"))
     pools, logits = _step(
         graphdef,
         params,
         state.pools,
-        *(
-            jnp.asarray(a)
-            for a in (
-                rows.cow_src,
-                rows.cow_dst,
-                rows.tokens,
-                rows.positions,
-                rows.slots,
-                rows.pages,
-                rows.kv_lens,
-                rows.last,
-            )
-        ),
-        absorbed=_absorb(model.config, rows.tokens.shape[1]),
+        device["cow_src"],
+        device["cow_dst"],
+        device["tokens"],
+        device["positions"],
+        device["slots"],
+        meta,
+        device["last"],
     )
     return state.replace(pools=pools), logits
 
 
-def _append(model, state: PagedKVState, seqs, blocks, min_tokens: int, graph=None):
+def _append(model, state: PagedKVState, seqs, blocks, graph=None):
     """Append blocks[i] to open, distinct seqs[i] (checked) and run them in one step."""
     starts = [int(state.lengths[q]) for q in seqs]
     state, plan = kv.append(state, seqs, blocks)
-    rows = _rows(state, seqs, blocks, starts, plan.slots, min_tokens, cow=plan)
-    return _run(model, state, rows, graph)
+    return _run(model, state, _rows(state, seqs, blocks, starts, plan.slots, cow=plan), graph)
 
 
 def fill(model, state: PagedKVState, seq: int, start: int, tokens, graph=None):
@@ -217,8 +183,7 @@ def fill(model, state: PagedKVState, seq: int, start: int, tokens, graph=None):
     ps = state.page_size
     pos = start + np.arange(len(tokens))
     slots = state.page_table[seq, pos // ps] * ps + pos % ps
-    rows = _rows(state, [seq], [tokens], [start], [slots], MIN_TOKEN_BUCKET)
-    state, logits = _run(model, state, rows, graph)
+    state, logits = _run(model, state, _rows(state, [seq], [tokens], [start], [slots]), graph)
     return state, logits[0]
 
 
@@ -278,9 +243,7 @@ def prefill(
         state = kv.open_seq(state, seq)
     graph = nnx.split(model)
     for a in range(0, n, PREFILL_CHUNK):
-        state, logits = _append(
-            model, state, [seq], [toks[a : a + PREFILL_CHUNK]], MIN_TOKEN_BUCKET, graph
-        )
+        state, logits = _append(model, state, [seq], [toks[a : a + PREFILL_CHUNK]], graph)
     return state, logits[0]
 
 
@@ -304,7 +267,7 @@ def extend(
     if any(len(b) == 0 or len(b) > PREFILL_CHUNK for b in blocks):
         raise ValueError(f"each block needs 1..{PREFILL_CHUNK} tokens")
     _check_appends(state, seqs, [len(b) for b in blocks])
-    state, logits = _append(model, state, seqs, blocks, MIN_TOKEN_BUCKET, graph)
+    state, logits = _append(model, state, seqs, blocks, graph)
     return state, logits[: len(seqs)]
 
 
@@ -326,9 +289,7 @@ def decode(
     if len(seqs) != len(toks):
         raise ValueError(f"{len(seqs)} sequences but {len(toks)} tokens")
     _check_appends(state, seqs, [1] * len(seqs))
-    state, logits = _append(
-        model, state, seqs, [toks[i : i + 1] for i in range(len(seqs))], 1, graph
-    )
+    state, logits = _append(model, state, seqs, [toks[i : i + 1] for i in range(len(seqs))], graph)
     return state, logits[: len(seqs)]
 
 
@@ -405,7 +366,6 @@ __all__ = [
     "OutOfPagesError",
     "SequenceError",
     "bucket",
-    "page_width",
     "compile_counts",
     "decode",
     "extend",

@@ -1,17 +1,18 @@
 """The serving engine: sessions, continuous batching, the radix prefix cache, directives in flight.
 
 The imperative shell around the functional core. All device work goes through the core's
-jitted, shape-bucketed steps (`paged.extend` for prefill chunks, `paged.decode`, the directive
-steps, `sample`); everything here is host bookkeeping in plain Python.
+jitted, shape-bucketed steps (`paged.extend`: one ragged step for prefill chunks and decode
+tokens together; the directive steps; `sample`); everything here is host bookkeeping in plain
+Python, and the sampled tokens are the only thing a step reads back from the device.
 
 One iteration (`Engine.step`):
   1. admit queued turns, oldest first, while the pool can hold them (see "Pages" below); a turn
      carrying directives has them applied now: between iterations, never inside a step of
      that session, while every other session keeps its place;
-  2. one batched prefill step: the next chunk of every admitted turn that still has prompt
-     tokens; a turn whose prompt is done samples its first token;
-  3. one batched decode step for every turn that is generating; sample; finish turns that hit
-     a stop token or their token budget.
+  2. one ragged step over every running turn: the next prompt chunk of each turn still
+     prefilling and the last generated token of each generating turn (chunked prefill riding
+     with decode); a turn whose prompt is done, and each generating turn, samples a token;
+     turns that hit a stop token or their token budget finish.
 
 Sessions. A session is a conversation: its token list (prompt and generated tokens of every
 turn so far) and, while it holds one, a sequence slot whose KV caches a prefix of that list.
@@ -338,11 +339,10 @@ class Engine:
         raise RuntimeError("the engine did not go idle")
 
     def step(self) -> None:
-        """One iteration: admissions (and their directives), one prefill batch, one decode
-        batch (each run as one step per padded shape, see `_by_shape`)."""
+        """One iteration: admissions (and their directives), then one ragged step of every
+        running turn's prefill chunk or decode token, then sampling."""
         self._admit()
-        self._prefill_batch()
-        self._decode_batch()
+        self._run_batch()
 
     # ---- admission ----------------------------------------------------------------------------
     def _running(self) -> list[Request]:
@@ -397,15 +397,38 @@ class Engine:
         return held - 1 if held == len(plan.prompt) else held
 
     def _need(self, req: Request, plan: _Plan) -> tuple[int, int]:
-        """(pages the turn may take at most, pages the session keeps whatever happens)."""
+        """(pages the turn may take from the pool at most, pages of the session's own that stay
+        held while it does). An AMORTIZE splice copies the kept tokens into fresh pages before
+        the old ones are released, so all the session's pages stay held at its peak; otherwise
+        only those before the first edit (a FORGET cuts before it takes)."""
         s, ps = req.session, self.page_size
         final = len(plan.prompt) + req.sampling.max_new_tokens
         if s.seq is None:
             return -(-final // ps) + 1, 0
         n = int(self.state.lengths[s.seq])
-        first = plan.directives[0].start if plan.directives else n
+        ds = plan.directives
+        first = ds[0].start if ds else n
         keep = min(first, len(plan.prompt) - 1) // ps  # a re-fed last token may cut a page
-        return -(-final // ps) - keep + 1, keep
+        cut = min([d.start for d in ds if d.mode is Mode.FORGET], default=n)
+        splices = any(d.mode is Mode.AMORTIZE and d.end <= cut for d in ds)
+        held = -(-n // ps) if splices else keep
+        return -(-final // ps) - keep + 1, held
+
+    def _freed_first(self, s: Session, plan: _Plan) -> int:
+        """Pages a turn frees before it takes any: a batch that cuts (FORGET) without splicing
+        first drops the session's pages past its first edit, and its radix purge drops the
+        tree's references to them; those nobody else holds come back to the pool."""
+        ds = plan.directives
+        if s.seq is None or not ds or any(d.mode is Mode.AMORTIZE for d in ds):
+            return 0
+        ps, cut = self.page_size, ds[0].start
+        held = self.state.page_table[s.seq, cut // ps : -(-int(self.state.lengths[s.seq]) // ps)]
+        purged = set()
+        if self.radix is not None:
+            pages, _ = self.radix.peek(s.tokens)
+            purged = set(pages[cut // ps :])
+        refs = self.state.refcount
+        return sum(1 for p in held if refs[p] - 1 - (int(p) in purged) == 0)
 
     def _try_admit(self, req: Request) -> str:
         s = req.session
@@ -426,16 +449,16 @@ class Engine:
             # nothing of the cached KV survives the edit: the session's KV starts again
             self._offload(s)
             self._purge(s, plan.directives)
-        need, keep = self._need(req, plan)
-        if need > self.state.num_pages - keep:
+        need, held = self._need(req, plan)
+        if need > self.state.num_pages - held:
             return self._fail(
                 req,
                 RequestError(
-                    f"the turn needs up to {need} pages of {self.page_size} tokens; the pool "
-                    f"has {self.state.num_pages} ({keep} held by the session itself)"
+                    f"the turn needs up to {need} pages of {self.page_size} tokens beside the "
+                    f"{held} its session holds meanwhile; the pool has {self.state.num_pages}"
                 ),
             )
-        if not self._make_room(need, s):
+        if not self._make_room(need - self._freed_first(s, plan), s):
             return "wait"
         fresh = s.seq is None
         if fresh and not self._take_slot(s):
@@ -605,60 +628,37 @@ class Engine:
         return reused, moved, last_moved
 
     # ---- device steps -------------------------------------------------------------------------
-    def _prefill_batch(self) -> None:
-        rows = [r for r in self._running() if r.status == "prefill"]
-        for group in self._by_shape(rows, [min(len(r.pending), self.prefill_chunk) for r in rows]):
-            self._prefill_rows(group)
-
-    def _prefill_rows(self, rows: list[Request]) -> None:
-        blocks = [r.pending[: self.prefill_chunk] for r in rows]
+    def _run_batch(self) -> None:
+        """One ragged step for every running turn: the next prompt chunk of each prefilling
+        turn and the last token of each generating one, together (chunked prefill riding with
+        decode). Turns whose prompt is done, and generating turns, sample a token."""
+        rows = self._running()
+        if not rows:
+            return
+        blocks = [
+            r.pending[: self.prefill_chunk] if r.status == "prefill" else [r.output[-1]]
+            for r in rows
+        ]
         self.state, logits = paged.extend(
             self.model, self.state, [r.session.seq for r in rows], blocks, graph=self.graph
         )
-        done = []
-        for r, b in zip(rows, blocks, strict=True):
+        emit = []
+        for i, (r, b) in enumerate(zip(rows, blocks, strict=True)):
             s = r.session
-            r.pending = r.pending[len(b) :]
+            if r.status == "prefill":
+                r.pending = r.pending[len(b) :]
+                self.counters["prefilled"] += len(b)
+            else:
+                r.fed += 1
             if s.clean == s.cached:
                 s.clean += len(b)
             s.cached += len(b)
-            self._cache_prefix(s)  # full clean pages are shareable as soon as they exist
+            if r.status == "prefill":
+                self._cache_prefix(s)  # full clean pages are shareable as soon as they exist
             if not r.pending:
-                done.append(r)
-        self.counters["prefilled"] += sum(len(b) for b in blocks)
-        if done:
-            idx = [rows.index(r) for r in done]
-            self._emit(done, logits[np.asarray(idx)])
-
-    def _decode_batch(self) -> None:
-        rows = [r for r in self._running() if r.status == "decode"]
-        for group in self._by_shape(rows, [1] * len(rows)):
-            self._decode_rows(group)
-
-    def _decode_rows(self, rows: list[Request]) -> None:
-        seqs = [r.session.seq for r in rows]
-        last = [r.output[-1] for r in rows]
-        self.state, logits = paged.decode(self.model, self.state, seqs, last, graph=self.graph)
-        for r in rows:
-            s = r.session
-            r.fed += 1
-            if s.clean == s.cached:
-                s.clean += 1
-            s.cached += 1
-        self._emit(rows, logits)
-
-    def _by_shape(self, rows: list[Request], counts: list[int]) -> list[list[Request]]:
-        """Rows split by the padded shape their step would take: the page-table width after
-        appending (bucketed) and the tokens appended (bucketed). A batched step pads every row
-        to its widest and longest member, so one 40k-token session in a batch of short ones
-        would make each row attend over 40k slots; grouped, each pays for its own bucket.
-        Groups run shortest first; the order within a group is the running order."""
-        groups: dict[tuple[int, int], list[Request]] = {}
-        for r, n in zip(rows, counts, strict=True):
-            w = paged.page_width(self.state, r.session.cached + n)
-            key = (w, paged.bucket(n, paged.MIN_TOKEN_BUCKET))
-            groups.setdefault(key, []).append(r)
-        return [groups[k] for k in sorted(groups)]
+                emit.append(i)
+        if emit:
+            self._emit([rows[i] for i in emit], logits[np.asarray(emit)])
 
     def _emit(self, rows: list[Request], logits) -> None:
         """Sample one token for each row and finish the turns that are done."""

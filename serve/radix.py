@@ -90,6 +90,13 @@ class RadixCache:
             pages += node.pages[:k]
         return pages, len(pages) * self.page_size
 
+    def peek(self, tokens: Sequence[int]) -> tuple[list[int], int]:
+        """`match` without marking the path used: (pages, tokens) of the longest cached prefix."""
+        pages: list[int] = []
+        for node, _, k in self._walk(tokens[: len(tokens) - len(tokens) % self.page_size]):
+            pages += node.pages[:k]
+        return pages, len(pages) * self.page_size
+
     def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> list[int]:
         """Cache `tokens` (len(pages) whole pages) held in `pages`. Returns the pages the tree
         newly holds (the caller takes one reference to each); pages of prefixes already cached

@@ -391,36 +391,38 @@ def test_prompt_ending_like_the_cached_tokens(model, mode):
     assert fresh.submit(fresh.open_session(), new, sampling=SamplingParams(4)).result() == out
 
 
-def test_rows_are_grouped_by_padded_shape(model, monkeypatch):
-    """A long session does not widen the steps of short ones: each batched step's page-table
-    width is that of its own rows, and tokens are what each session alone would decode."""
+def test_one_ragged_step_per_iteration(model, monkeypatch):
+    """Every iteration runs one device step: a long session's prefill chunks ride with the
+    short sessions' decode tokens (rows of different lengths, no grouping by shape), and each
+    session decodes what it would decode alone."""
     calls = []
     rows = paged._rows
 
-    def spy(state, seqs, *args, **kw):
-        out = rows(state, seqs, *args, **kw)
-        calls.append((list(seqs), out.width))  # sequences, page-table width
-        return out
+    def spy(state, seqs, blocks, *args, **kw):
+        calls.append([len(b) for b in blocks])  # tokens per row of one step
+        return rows(state, seqs, blocks, *args, **kw)
 
     monkeypatch.setattr(paged, "_rows", spy)
-    engine = make_engine(model)
+    engine = make_engine(model, prefill_chunk=64)
     rng = np.random.default_rng(3)
-    prompts = [rng.integers(0, 256, n).tolist() for n in (300, 5, 6, 7)]  # 38 pages vs 1
+    prompts = [rng.integers(0, 256, n).tolist() for n in (300, 5, 6, 7)]
     sids = [engine.open_session() for _ in prompts]
     reqs = [
-        engine.submit(s, p, sampling=SamplingParams(max_new_tokens=4))
+        engine.submit(s, p, sampling=SamplingParams(max_new_tokens=6))
         for s, p in zip(sids, prompts, strict=True)
     ]
-    engine.run_until_idle()
-    long_seq = engine.sessions[sids[0]].seq
-    short = {engine.sessions[s].seq for s in sids[1:]}
-    mixed = [c for c in calls if long_seq in c[0] and short & set(c[0])]
-    assert not mixed, mixed
-    assert any(len(c[0]) == 3 and c[1] == 1 for c in calls)  # the short ones still batch
+    steps = 0
+    while not engine.idle():
+        before = len(calls)
+        engine.step()
+        steps += 1
+        assert len(calls) - before <= 1  # one device step per iteration
+    assert any(64 in c and 1 in c for c in calls)  # a prefill chunk beside decode tokens
+    assert steps < 300 // 64 + 1 + 6 + 1
+    monkeypatch.setattr(paged, "_rows", rows)
     for p, r in zip(prompts, reqs, strict=True):
-        solo = make_engine(model)
-        want = solo.submit(solo.open_session(), p, sampling=SamplingParams(max_new_tokens=4))
-        solo.run_until_idle()
+        solo = make_engine(model, prefill_chunk=64)
+        want = solo.submit(solo.open_session(), p, sampling=SamplingParams(max_new_tokens=6))
         assert r.result() == want.result()
 
 

@@ -232,6 +232,33 @@ class EngineMachine(RuleBasedStateMachine):
             new = [1]
         self._submit(m, dict(new=new, directives=ds), self._sampling(data), plain=not ds)
 
+    @precondition(
+        lambda self: any(not m.in_flight() and len(m.tokens) > 4 for m in self.sessions.values())
+    )
+    @rule(data=st.data())
+    def splice_turn(self, data):
+        """A valid edit in the middle of an idle session, in either mode: AMORTIZE splices the
+        tokens after it, FORGET re-prefills them."""
+        sid = self._idle(data, lambda m: len(m.tokens) > 4)
+        m = self.sessions[sid]
+        n = len(m.tokens)
+        a = data.draw(st.integers(1, n - 3), "start")
+        b = data.draw(st.integers(a, n - 2), "end")
+        rep = data.draw(st.lists(st.integers(0, VOCAB - 1), max_size=5), "replacement")
+        mode = data.draw(st.sampled_from([Mode.AMORTIZE, Mode.FORGET]), "mode")
+        new = data.draw(st.lists(st.integers(0, VOCAB - 1), max_size=4), "new")
+        ds = [Directive(a, b, tuple(rep), mode)]
+        self._submit(m, dict(new=new, directives=ds), self._sampling(data), plain=False)
+
+    @precondition(lambda self: any(not m.in_flight() for m in self.sessions.values()))
+    @rule(data=st.data())
+    def too_long_turn(self, data):
+        """A turn that would take the session past max_seq_len: it fails alone."""
+        m = self.sessions[self._idle(data)]
+        over = ENGINE["max_seq_len"] - len(m.tokens) + data.draw(st.integers(0, 8), "over")
+        new = data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=over, max_size=over))
+        self._submit(m, dict(new=new, directives=[]), self._sampling(data), plain=True)
+
     @precondition(lambda self: any(not m.in_flight() for m in self.sessions.values()))
     @rule(data=st.data())
     def prompt_turn(self, data):
@@ -349,6 +376,14 @@ class EngineMachine(RuleBasedStateMachine):
         if too_long:
             assert isinstance(req.error, RequestError) and "max_seq_len" in str(req.error)
             SEEN["too_long_turns"] += 1
+            return
+        if isinstance(req.error, RequestError) and "pages" in str(req.error):
+            # a splice holds the session's old pages while it fills fresh ones: a turn may
+            # never fit beside them. Only plausible when the two together exceed the pool.
+            final = len(prompt) + turn.sampling.max_new_tokens
+            pages = -(-final // PS) + 1 + -(-len(before) // PS)
+            assert pages > ENGINE["num_pages"], (req.error, len(before), final)
+            SEEN["never_fit_turns"] += 1
             return
         assert req.error is None, req.error
         out = req.output

@@ -309,3 +309,25 @@ def test_readme_paged_snippet_runs(model):
     code = block.replace("[...]", "[1, 2, 3]").replace("t0, t1", "4, 5")
     exec(compile(code, "README.md", "exec"), namespace)
     assert namespace["state"] is not None
+
+
+# ---- found by the engine fuzzer ---------------------------------------------------------------
+def test_a_splice_that_can_never_fit_beside_its_own_pages_fails_alone(model):
+    """An AMORTIZE splice fills fresh pages while the session still holds its old ones: a
+    session holding half the pool cannot splice its whole length. The turn fails alone (it
+    waited forever: the only pages to free were the session's own) and the session stays
+    usable."""
+    engine = Engine(model, num_pages=24, page_size=8, max_seqs=3, max_seq_len=96)
+    s = engine.open_session()
+    engine.submit(s, list(range(1, 91)), sampling=SamplingParams(1)).result()  # 12 pages
+    r = engine.submit(s, [], directives=[Directive(0, 1)], sampling=SamplingParams(3))
+    engine.run_until_idle(max_steps=50)
+    with pytest.raises(RequestError, match="pages"):
+        r.result()
+    assert len(engine.sessions[s].tokens) == 91
+    # the same edit as a FORGET cuts before it takes: it fits
+    f = engine.submit(
+        s, [], directives=[Directive(0, 1, (), Mode.FORGET)], sampling=SamplingParams(1)
+    )
+    f.result()
+    assert engine.sessions[s].tokens[:89] == list(range(2, 91))

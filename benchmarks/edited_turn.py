@@ -1,0 +1,118 @@
+"""The edited-turn case: what one edited agent turn costs through the serving engine.
+
+A session holds a 4096-token prompt and its one generated token; the harness then resends the
+whole history with tokens 1000-1500 replaced by 20 new ones and asks for one token. Timed, each
+the median of `--repeats` runs after a warm-up (compiles excluded):
+
+- `amortize` / `forget`: the edited turn (`Engine.submit_prompt`, the edit detected and applied
+  in that mode) from submission to its token;
+- `cold`: the whole edited prompt prefilled in a new session of an engine without a prefix
+  cache (what a stack that cannot edit its cache pays at best);
+- `splice`: `apply_directives` of the same edit on a paged state alone (move + rotate of the
+  downstream KV and the 20-token fill), and `decode`: one decode step at the edited length.
+
+The target (issue 12): AMORTIZE's edited turn within 2x of splice + decode. Model: 2-layer
+DeepSeek-V2 shapes with hidden 256 (kv_lora_rank 512, rope 64, 16 heads), random fp32 params;
+engine defaults (bf16 c_kv, fp32 k_pe, page 16).
+
+    python -m benchmarks.edited_turn [--repeats 7] [--out FILE.json]
+
+Not yet run: no result of it is in BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+
+import jax
+import numpy as np
+
+import leyline_jax as ll
+from benchmarks.common import BENCH_HF_CONFIG
+from checkpoints.tiny import write_random_checkpoint
+from leyline_jax import paged
+from serve.engine import Engine, SamplingParams
+
+CONTEXT, START, END, NEW = 4096, 1000, 1500, 20
+CONFIG = dict(BENCH_HF_CONFIG, hidden_size=256, intermediate_size=1024, vocab_size=32000)
+ENGINE = dict(num_pages=1024, page_size=16, max_seqs=4, max_seq_len=8192)
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    return time.perf_counter() - t0
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    model = ll.load_model(write_random_checkpoint(tempfile.mkdtemp(), CONFIG, seed=0))
+    rng = np.random.default_rng(0)
+    context = rng.integers(0, CONFIG["vocab_size"], CONTEXT).tolist()
+    new = rng.integers(0, CONFIG["vocab_size"], NEW).tolist()
+    one = SamplingParams(max_new_tokens=1)
+
+    def edited(history):
+        return history[:START] + new + history[END:]
+
+    times: dict[str, list[float]] = {
+        k: [] for k in ("amortize", "forget", "cold", "splice", "decode")
+    }
+    engines = {m: Engine(model, **ENGINE) for m in ("amortize", "forget")}
+    cold = Engine(model, radix=False, **ENGINE)
+    for i in range(args.repeats + 1):  # the first round compiles
+        for arm, mode in (("amortize", ll.Mode.AMORTIZE), ("forget", ll.Mode.FORGET)):
+            engine = engines[arm]
+            s = engine.open_session()
+            engine.submit(s, context, sampling=one).result()
+            prompt = edited(engine.sessions[s].tokens)
+            t = _timed(
+                lambda e=engine, s=s, p=prompt, m=mode: e.submit_prompt(
+                    s, p, mode=m, sampling=one
+                ).result()
+            )
+            engine.close_session(s)
+            if i:
+                times[arm].append(t)
+        s = cold.open_session()
+        prompt = edited(context + [0])
+        t = _timed(lambda s=s, p=prompt: cold.submit(s, p, sampling=one).result())
+        cold.close_session(s)
+        # the splice and one decode step alone, on a paged state
+        state = ll.init_state(model.config, num_pages=600, page_size=16, max_seqs=1)
+        state, _ = ll.prefill(model, state, 0, context + [0])
+        jax.block_until_ready(state.pools)
+        t0 = time.perf_counter()
+        state = ll.apply_directive(model, state, 0, ll.Directive(START, END, new))
+        jax.block_until_ready(state.pools)
+        ts = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        state, logits = paged.decode(model, state, [0], [1])
+        jax.block_until_ready(logits)
+        td = time.perf_counter() - t0
+        if i:
+            times["cold"].append(t)
+            times["splice"].append(ts)
+            times["decode"].append(td)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    med["amortize / (splice + decode)"] = med["amortize"] / (med["splice"] + med["decode"])
+    med["forget per token / cold per token"] = (
+        med["forget"] / (CONTEXT + 1 - START - (END - START) + NEW)
+    ) / (med["cold"] / (CONTEXT + 1 - (END - START) + NEW))
+    for k, v in med.items():
+        print(f"{k:40s} {v * 1000:10.1f} ms" if "/" not in k else f"{k:40s} {v:10.2f}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"medians_s": med, "runs_s": times, "repeats": args.repeats}, f, indent=1)
+    return med
+
+
+if __name__ == "__main__":
+    main()
