@@ -1,12 +1,15 @@
 """Paged prefill and decode throughput: ours (JAX, CPU) beside Hugging Face PyTorch in one run.
 
-    python -m benchmarks.paged_bench [--configs tiny,bench] [--out results.json]
+    python -m benchmarks.paged_bench [--configs tiny,bench] [--kinds prefill,decode,mixed]
+                                     [--no-hf] [--out results.json]
 
 For each config: prefill tokens/s at 512 and 2048 prompt tokens, decode tokens/s at batch 1, 8
-and 32 (context 256 per sequence), medians of repeated runs after a warm-up (so compile time is
-excluded). Beside each: the same work in transformers (fp32, eager attention, its own cache) and
-the machine floor measured in the same run: flops over the measured fp32 matmul rate, or bytes
-over the measured copy bandwidth (in place, read + write), whichever is larger.
+and 32 (context 256 per sequence), and one mixed step (`mixed`: a 256-token prefill chunk of a
+sequence holding 2048 tokens riding with 31 decode rows at context 256, one ragged step; HF
+has no such step, so its column is empty), medians of repeated runs after a warm-up (so compile
+time is excluded). Beside each: the same work in transformers (fp32, eager attention, its own
+cache) and the machine floor measured in the same run: flops over the measured fp32 matmul
+rate, or bytes over the measured copy bandwidth (in place, read + write), whichever is larger.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import argparse
 import json
 import os
 import tempfile
+import time
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +33,7 @@ from benchmarks.common import (
     median_time,
 )
 from checkpoints.tiny import TINY_HF_CONFIGS, write_random_checkpoint
+from leyline_jax import paged
 
 CONTEXT = 256
 DECODE_STEPS = 8
@@ -50,6 +55,19 @@ def prefill_flops(c: ll.MLAConfig, t: int, active: int) -> float:
     head = 2 * c.hidden_size * c.vocab_size
     dense = 2 * (active - c.hidden_size * c.vocab_size * (0 if c.tie_word_embeddings else 1))
     return t * dense + c.num_hidden_layers * (per_layer_pairs + expand) + head
+
+
+def attention_flops(c: ll.MLAConfig, q: int, ctx: int) -> float:
+    """Least attention flops for q new tokens of one sequence ending at `ctx` tokens (causal),
+    in whichever form is cheaper for it: expanded (K/V per head from every slot's latent once,
+    then per pair) or absorbed (per pair, against the latent)."""
+    n, r = c.num_attention_heads, c.kv_lora_rank
+    pairs = q * ctx - q * (q - 1) / 2
+    expanded = ctx * 2 * r * n * (c.qk_nope_head_dim + c.v_head_dim) + pairs * 2 * n * (
+        c.qk_head_dim + c.v_head_dim
+    )
+    absorbed = pairs * 2 * n * (2 * r + c.qk_rope_head_dim)
+    return c.num_hidden_layers * min(expanded, absorbed)
 
 
 def decode_bytes(c: ll.MLAConfig, b: int, ctx: int, active: int, dtype_bytes: int = 4) -> float:
@@ -91,6 +109,44 @@ def bench_ours(model, t_prefill: int, batch: int):
 
     decode_s = median_time(run_decode, repeats=DECODE_STEPS, warmup=2)
     return prefill_s, decode_s
+
+
+MIXED_CHUNK, MIXED_CTX, MIXED_DECODE = 256, 2048, 31
+
+
+def bench_mixed(model, rate: float, bw: float, active: int):
+    """Time one ragged step of a prefill chunk beside decode rows, several times (the chunk row
+    grows by a chunk each time); returns (median time, median time / floor, tokens per step)."""
+    c = model.config
+    rng = np.random.default_rng(1)
+    reps = 5
+    need = (MIXED_CTX + MIXED_CHUNK * (reps + 2)) // 16 + MIXED_DECODE * ((CONTEXT + 16) // 16 + 1)
+    st = ll.init_state(
+        c, num_pages=need + 8, page_size=16, max_seqs=MIXED_DECODE + 1, kv_dtype=jnp.float32
+    )
+    st, _ = ll.prefill(model, st, 0, rng.integers(0, c.vocab_size, MIXED_CTX))
+    for s in range(1, MIXED_DECODE + 1):
+        st, _ = ll.prefill(model, st, s, rng.integers(0, c.vocab_size, CONTEXT))
+    graph = nnx.split(model)
+    seqs = list(range(MIXED_DECODE + 1))
+    times, ratios = [], []
+    for i in range(reps + 1):  # the first compiles
+        blocks = [rng.integers(0, c.vocab_size, MIXED_CHUNK).tolist()] + [[1]] * MIXED_DECODE
+        lens = [int(st.lengths[s]) for s in seqs]
+        t0 = time.perf_counter()
+        st, logits = paged.extend(model, st, seqs, blocks, graph=graph)
+        jax.block_until_ready(logits)
+        dt = time.perf_counter() - t0
+        tokens = MIXED_CHUNK + MIXED_DECODE
+        flops = 2 * active * tokens + attention_flops(c, MIXED_CHUNK, lens[0] + MIXED_CHUNK)
+        flops += sum(attention_flops(c, 1, n + 1) for n in lens[1:])
+        cache = sum(lens) + tokens
+        bytes_ = (active + cache * c.num_hidden_layers * (c.kv_lora_rank + c.qk_rope_head_dim)) * 4
+        floor = max(flops / rate, bytes_ / bw)
+        if i:
+            times.append(dt)
+            ratios.append(dt / floor)
+    return float(np.median(times)), float(np.median(ratios)), MIXED_CHUNK + MIXED_DECODE
 
 
 def bench_hf(path, t_prefill: int, batch: int, vocab: int):
@@ -142,6 +198,8 @@ def _row(config: str, kind: str, size: int, ours: float, theirs: float, floor: f
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default="tiny,bench")
+    ap.add_argument("--kinds", default="prefill,decode,mixed")
+    ap.add_argument("--no-hf", action="store_true", help="skip transformers (its columns: nan)")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     args = ap.parse_args(argv)
 
@@ -158,16 +216,25 @@ def main(argv=None) -> None:
             model = ll.load_model(path)
             c = model.config
             _, active = param_count(model)
-            for t in (512, 2048):
+            kinds = args.kinds.split(",")
+
+            def hf(t, b, path=path, vocab=c.vocab_size):
+                nan = (float("nan"), float("nan"))
+                return nan if args.no_hf else bench_hf(path, t, b, vocab)
+
+            for t in (512, 2048) if "prefill" in kinds else ():
                 ours, _ = bench_ours(model, t, 1)
-                theirs, _ = bench_hf(path, t, 1, c.vocab_size)
+                theirs, _ = hf(t, 1)
                 floor = prefill_flops(c, t, active) / rate
                 rows.append(_row(name, "prefill", t, ours, theirs, floor))
-            for b in (1, 8, 32):
+            for b in (1, 8, 32) if "decode" in kinds else ():
                 _, ours = bench_ours(model, 16, b)
-                _, theirs = bench_hf(path, 16, b, c.vocab_size)
+                _, theirs = hf(16, b)
                 floor = max(decode_bytes(c, b, CONTEXT, active) / bw, 2 * active * b / rate)
                 rows.append(_row(name, "decode", b, ours, theirs, floor))
+            if "mixed" in kinds:
+                ours, ratio, size = bench_mixed(model, rate, bw, active)
+                rows.append(_row(name, "mixed", size, ours, float("nan"), ours / ratio))
     print(
         f"{'config':6s} {'kind':7s} {'size':>5s} {'ours tok/s':>11s} {'HF tok/s':>10s} "
         f"{'floor tok/s':>12s} {'ours/HF':>8s} {'time/floor':>10s}"

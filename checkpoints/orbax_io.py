@@ -1,7 +1,11 @@
 """Save and restore converted `MLAModel` params with orbax-checkpoint.
 
-Layout of a saved directory: `mla_config.json` (the `MLAConfig` and the params dtype) and
-`params/` (an orbax StandardCheckpointer tree of the model's params).
+Layout of a saved directory: `mla_config.json` (the `MLAConfig`, the params dtype and the
+params layout version) and `params/` (an orbax StandardCheckpointer tree of the model's params).
+
+Params layout 2: the latent up-projection is held head-major as `k_up` / `v_up` (layout 1, the
+saves made before, held the checkpoint's `kv_b_proj`). A save of another layout is refused with a
+`CheckpointError` saying so: convert the Hugging Face checkpoint again and save it.
 """
 
 from __future__ import annotations
@@ -15,9 +19,10 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from leyline_jax import MLAConfig, MLAModel
-from leyline_jax.loader import CheckpointNotFoundError, model_from_params
+from leyline_jax.loader import CheckpointError, CheckpointNotFoundError, model_from_params
 
 CONFIG_FILE = "mla_config.json"
+PARAMS_LAYOUT = 2
 
 
 def save_params(path: str | os.PathLike, model: MLAModel) -> Path:
@@ -29,7 +34,11 @@ def save_params(path: str | os.PathLike, model: MLAModel) -> Path:
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(path / "params", params)
         ckptr.wait_until_finished()
-    meta = {"config": model.config.to_dict(), "dtype": jnp.dtype(model.dtype).name}
+    meta = {
+        "config": model.config.to_dict(),
+        "dtype": jnp.dtype(model.dtype).name,
+        "params_layout": PARAMS_LAYOUT,
+    }
     (path / CONFIG_FILE).write_text(json.dumps(meta, indent=2))
     return path
 
@@ -41,6 +50,13 @@ def restore_params(path: str | os.PathLike) -> MLAModel:
     if not meta_file.is_file() or not (path / "params").is_dir():
         raise CheckpointNotFoundError(f"{path} holds no saved params ({CONFIG_FILE} + params/)")
     meta = json.loads(meta_file.read_text())
+    layout = meta.get("params_layout", 1)
+    if layout != PARAMS_LAYOUT:
+        raise CheckpointError(
+            f"{path} holds params layout {layout!r}; this version reads layout {PARAMS_LAYOUT} "
+            "(k_up / v_up instead of kv_b_proj): convert the Hugging Face checkpoint again "
+            "(ll.load_model) and save it"
+        )
     config = MLAConfig.from_dict(meta["config"])
     dtype = jnp.dtype(meta["dtype"])
     abstract = nnx.eval_shape(lambda: MLAModel(config, dtype))

@@ -12,6 +12,7 @@ Dimension letters used in shape comments across the package:
 
 from leyline_jax.config import ConfigError, MLAConfig
 from leyline_jax.directives import (
+    Applied,
     Directive,
     DirectiveError,
     Mode,
@@ -30,6 +31,7 @@ from leyline_jax.model import MLAModel
 from leyline_jax.paged import decode, fork, free, prefill
 
 __all__ = [
+    "Applied",
     "CheckpointError",
     "CheckpointNotFoundError",
     "ConfigError",

@@ -307,6 +307,16 @@ def _check_budget(state, seq, length, cut, spliced, cut_new, tail_len) -> None:
 
 
 # ---- public API -----------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Applied:
+    """What `apply_directives` did, in tokens of the edited sequence (they sum to `length`)."""
+
+    reused: int  # kept in place: the tokens before the first edit
+    spliced: int  # kept and moved by AMORTIZE: c_kv bit-exact, k_pe rotated
+    prefilled: int  # run through the model: spliced-in replacements and FORGET's re-prefill
+    length: int  # the edited sequence's length
+
+
 def apply_directives(
     model: MLAModel,
     state: PagedKVState,
@@ -314,13 +324,16 @@ def apply_directives(
     directives: Sequence[Directive],
     *,
     impl: str | None = None,
-) -> PagedKVState:
+    report: bool = False,
+) -> PagedKVState | tuple[PagedKVState, Applied]:
     """Apply an atomic batch of non-overlapping directives (pre-batch coordinates) to `seq`.
 
     AMORTIZE edits are spliced; if any directive is FORGET, everything from the first FORGET
     start is dropped and re-prefilled (AMORTIZE edits before it are still spliced). Raises
     `DirectiveError` (invalid input) or `OutOfPagesError` before anything changes. Donates
     `state`. `impl` picks the splice implementation (see `pallas_kernels.splice_rotate`).
+    With `report=True` returns `(state, Applied)`: how many tokens were reused, spliced and
+    prefilled.
     """
     try:
         seq = kv.check_seq(state, seq, must_be_open=True)
@@ -329,7 +342,7 @@ def apply_directives(
     length = int(state.lengths[seq])
     ds = validate(directives, length, model.config.vocab_size)
     if not ds:
-        return state
+        return (state, Applied(length, 0, 0, length)) if report else state
     tokens = kv.tokens(state, seq)
     new_tokens = apply_to_list(tokens, ds)
     if len(new_tokens) > state.max_seq_len:
@@ -354,7 +367,11 @@ def apply_directives(
         state = _splice(model, state, seq, tokens, spliced, impl)
     if tail:
         state, _ = paged.prefill(model, state, seq, tail)
-    return state
+    if not report:
+        return state
+    reused = ds[0].start
+    moved = (cut - reused) - sum(d.end - d.start for d in spliced)
+    return state, Applied(reused, moved, len(new_tokens) - reused - moved, len(new_tokens))
 
 
 def apply_directive(
@@ -370,6 +387,7 @@ def compile_counts() -> dict[str, int]:
 
 
 __all__ = [
+    "Applied",
     "Directive",
     "DirectiveError",
     "Mode",

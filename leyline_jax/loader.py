@@ -115,7 +115,8 @@ def convert_hf_params(
 ) -> dict[str, Any]:
     """Pure: flat dict of HF tensors (numpy-convertible) -> nested params of `MLAModel`.
 
-    Transposes linear weights to `[in, out]`, stacks experts, permutes interleaved rope rows to
+    Transposes linear weights to `[in, out]`, splits `kv_b_proj` into head-major `k_up`
+    `[N, Dn, R]` and `v_up` `[N, R, Dv]`, stacks experts, permutes interleaved rope rows to
     the halves layout, casts to `dtype` (the router and its bias stay float32). Raises
     `CheckpointError` naming the tensor for any missing, unexpected or mis-shaped tensor.
     """
@@ -156,7 +157,11 @@ def convert_hf_params(
         kv_a = np.concatenate([kv_a[: c.kv_lora_rank], kv_a[c.kv_lora_rank :][perm]], 0)
         attn["kv_a_proj"] = {"kernel": kv_a.T}
         attn["kv_a_norm"] = {"weight": get(f"{a}.kv_a_layernorm.weight")}
-        attn["kv_b_proj"] = {"kernel": linear(f"{a}.kv_b_proj.weight")}
+        kv_b = get(f"{a}.kv_b_proj.weight").reshape(  # [N * (Dn + Dv), R] -> [N, Dn + Dv, R]
+            c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank
+        )
+        attn["k_up"] = kv_b[:, : c.qk_nope_head_dim]  # [N, Dn, R]
+        attn["v_up"] = kv_b[:, c.qk_nope_head_dim :].transpose(0, 2, 1)  # [N, R, Dv]
         attn["o_proj"] = {"kernel": linear(f"{a}.o_proj.weight")}
         layer: dict[str, Any] = {
             "input_norm": {"weight": get(f"{p}.input_layernorm.weight")},

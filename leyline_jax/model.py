@@ -38,13 +38,24 @@ def rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float) -> jnp.ndarray:
     return weight * (x32 * jax.lax.rsqrt(var + eps)).astype(x.dtype)
 
 
+def absorb_queries(q_nope, w_kb):  # [T, N, Dn], [N, Dn, R] -> [T, N, R]
+    """Queries into the latent space, per head. Written head-major (a batched matmul over N on
+    [N, T, Dn]): XLA's CPU backend runs the same einsum on [T, N, Dn] several times slower."""
+    return jnp.einsum("ntd,ndr->ntr", q_nope.transpose(1, 0, 2), w_kb).transpose(1, 0, 2)
+
+
+def expand_values(o_lat, w_vb):  # [T, N, R], [N, R, Dv] -> [T, N, Dv]
+    """A latent attention output up to each head's values (head-major, as `absorb_queries`)."""
+    return jnp.einsum("ntr,nrd->ntd", o_lat.transpose(1, 0, 2), w_vb).transpose(1, 0, 2)
+
+
 def mla_attention(
     q_nope: jnp.ndarray,  # [T, N, Dn]
     q_pe: jnp.ndarray,  # [T, N, Dr], position embedded
     c_kv: jnp.ndarray,  # [S, R], normalised latent
     k_pe: jnp.ndarray,  # [S, Dr], position embedded
-    w_kb: jnp.ndarray,  # [R, N, Dn]: latent -> K_nope
-    w_vb: jnp.ndarray,  # [R, N, Dv]: latent -> V
+    w_kb: jnp.ndarray,  # [N, Dn, R]: latent -> K_nope
+    w_vb: jnp.ndarray,  # [N, R, Dv]: latent -> V
     mask: jnp.ndarray,  # bool[T, S], True where query t may attend slot s
     scale: float,
     *,
@@ -58,18 +69,18 @@ def mla_attention(
     """
     f32 = jnp.float32
     if absorbed:
-        q_lat = jnp.einsum("tnd,rnd->tnr", q_nope, w_kb)
+        q_lat = absorb_queries(q_nope, w_kb)
         scores = jnp.einsum("tnr,sr->nts", q_lat, c_kv, preferred_element_type=f32)
     else:
-        k_nope = jnp.einsum("sr,rnd->snd", c_kv, w_kb)
+        k_nope = jnp.einsum("sr,ndr->snd", c_kv, w_kb)
         scores = jnp.einsum("tnd,snd->nts", q_nope, k_nope, preferred_element_type=f32)
     scores = scores + jnp.einsum("tnd,sd->nts", q_pe, k_pe, preferred_element_type=f32)
     scores = jnp.where(mask[None], scores * scale, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(q_nope.dtype)
     if absorbed:
         out_lat = jnp.einsum("nts,sr->tnr", probs, c_kv)
-        return jnp.einsum("tnr,rnd->tnd", out_lat, w_vb)
-    v = jnp.einsum("sr,rnd->snd", c_kv, w_vb)
+        return expand_values(out_lat, w_vb)
+    v = jnp.einsum("sr,nrd->snd", c_kv, w_vb)
     return jnp.einsum("nts,snd->tnd", probs, v)
 
 
@@ -176,7 +187,10 @@ class MLAAttention(nnx.Module):
             self.q_b_proj = Linear(c.q_lora_rank, n * dqk, dtype)
         self.kv_a_proj = Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, dtype)
         self.kv_a_norm = RMSNorm(c.kv_lora_rank, LATENT_NORM_EPS, dtype)
-        self.kv_b_proj = Linear(c.kv_lora_rank, n * (c.qk_nope_head_dim + c.v_head_dim), dtype)
+        # the latent's up-projections (the checkpoint's kv_b_proj), head-major: the absorbed
+        # form contracts them per head, and in this layout a step reads them without a copy
+        self.k_up = nnx.Param(jnp.zeros((n, c.qk_nope_head_dim, c.kv_lora_rank), dtype))
+        self.v_up = nnx.Param(jnp.zeros((n, c.kv_lora_rank, c.v_head_dim), dtype))
         self.o_proj = Linear(n * c.v_head_dim, c.hidden_size, dtype)
 
     def queries(self, x, positions):
@@ -201,12 +215,8 @@ class MLAAttention(nnx.Module):
         return c_kv, k_pe
 
     def kv_up(self):
-        """w_kb [R, N, Dn], w_vb [R, N, Dv]: the up-projections of the latent."""
-        c = self.config
-        w = self.kv_b_proj.kernel[...].reshape(
-            c.kv_lora_rank, c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim
-        )
-        return w[..., : c.qk_nope_head_dim], w[..., c.qk_nope_head_dim :]
+        """w_kb [N, Dn, R], w_vb [N, R, Dv]: the up-projections of the latent."""
+        return self.k_up[...], self.v_up[...]
 
     def output(self, o):
         """[T, N, Dv] -> [T, H]."""

@@ -33,7 +33,7 @@ from flax import nnx
 from leyline_jax import kv_state as kv
 from leyline_jax.config import check_ids, check_tokens
 from leyline_jax.kv_state import OutOfPagesError, PagedKVState, SequenceError
-from leyline_jax.model import MLAModel
+from leyline_jax.model import MLAModel, absorb_queries, expand_values
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
 MIN_TOKEN_BUCKET = 16
@@ -64,18 +64,19 @@ def _forward_ragged(model: MLAModel, pools: kv.KVPools, tokens, positions, slots
             c_new, k_new = attn.latent(x, positions)
             pools = kv.write_kv(pools, i, slots, c_new, k_new)
             w_kb, w_vb = attn.kv_up()
-            q_lat = jnp.einsum("tnd,rnd->tnr", q_nope, w_kb)
+            q_lat = absorb_queries(q_nope, w_kb)
             out = ragged_paged_attention(
                 q_lat,
                 q_pe,
-                pools.c_kv[i],
-                pools.k_pe[i],
+                pools.c_kv,  # every layer's pages: layer i is read in place, not sliced out
+                pools.k_pe,
                 *meta,
                 scale=model.config.softmax_scale,
                 kv_dtype=pools.kv_dtype,
                 k_pe_dtype=pools.k_pe_dtype,
+                layer=i,
             )
-            o = jnp.einsum("tnr,rnd->tnd", out.astype(h.dtype), w_vb)
+            o = expand_values(out.astype(h.dtype), w_vb)
             h = layer.feed_forward(h + attn.output(o))
     return model.final_norm(h), pools
 
@@ -187,6 +188,37 @@ def fill(model, state: PagedKVState, seq: int, start: int, tokens, graph=None):
     return state, logits[0]
 
 
+def precompile(
+    model: MLAModel, state: PagedKVState, max_rows: int, max_row_tokens: int, graph=None
+) -> tuple[PagedKVState, int]:
+    """Compile (and run once) the step for every shape a batch of at most `max_rows` rows of
+    at most `max_row_tokens` new tokens each can take: each row bucket with each token bucket
+    it can fill. Each run is all padding (no row, every slot dropped): the pools come back
+    unchanged. Returns the state and how many shapes ran."""
+    p, ps, w = state.num_pages, state.page_size, state.max_pages_per_seq
+    shapes = 0
+    for b in (1 << i for i in range(bucket(max_rows).bit_length())):
+        top = bucket(min(b, max_rows) * max_row_tokens, MIN_TOKEN_BUCKET)
+        for t in (1 << i for i in range(MIN_TOKEN_BUCKET.bit_length() - 1, top.bit_length())):
+            if t < bucket(b, MIN_TOKEN_BUCKET):
+                continue  # b rows hold at least b tokens
+            rows = Rows(
+                tokens=np.zeros(t, np.int32),
+                positions=np.zeros(t, np.int32),
+                slots=np.full(t, p * ps, np.int32),
+                kv_lens=np.zeros(b, np.int32),
+                page_indices=np.full((b, w), p, np.int32),
+                cu_q_lens=np.zeros(b + 1, np.int32),
+                num_rows=np.zeros(1, np.int32),
+                last=np.zeros(b, np.int32),
+                cow_src=np.full(b, p, np.int32),
+                cow_dst=np.full(b, p, np.int32),
+            )
+            state, _ = _run(model, state, rows, graph)
+            shapes += 1
+    return state, shapes
+
+
 # ---- host checks ----------------------------------------------------------------------------
 def _check_room(state: PagedKVState, seq: int, length: int, count: int) -> None:
     if length + count > state.max_seq_len:
@@ -254,12 +286,15 @@ def extend(
     tokens: Sequence[Sequence[int]],
     *,
     graph=None,
+    padded: bool = False,
 ) -> tuple[PagedKVState, jax.Array]:
     """Append a block of tokens to each of several open sequences in one batched step (the
     prefill half of continuous batching). Blocks may differ in length; each is at most
     `PREFILL_CHUNK` tokens. Returns the new state and float32 logits [len(seqs), vocab] after
     each block's last token. Raises like `decode`, before the state changes. Donates `state`.
-    `graph`: `nnx.split(model)` made once by a caller that steps often (saves the split)."""
+    `graph`: `nnx.split(model)` made once by a caller that steps often (saves the split).
+    `padded`: return the step's logits as they are, [bucket(len(seqs)), vocab] (rows past
+    len(seqs) are padding), so a caller that samples on device meets no shape-dependent slice."""
     seqs = list(seqs)
     blocks = [check_tokens(t, model.config.vocab_size) for t in tokens]
     if len(seqs) != len(blocks) or not seqs:
@@ -268,7 +303,7 @@ def extend(
         raise ValueError(f"each block needs 1..{PREFILL_CHUNK} tokens")
     _check_appends(state, seqs, [len(b) for b in blocks])
     state, logits = _append(model, state, seqs, blocks, graph)
-    return state, logits[: len(seqs)]
+    return state, logits if padded else logits[: len(seqs)]
 
 
 def decode(

@@ -1,6 +1,7 @@
 """A scripted multi-session conversation through the serving engine.
 
     python -m serve [--model PATH] [--sessions 4] [--turns 4] [--max-new 8] [--num-pages 512]
+                    [--compile-cache DIR|off]
 
 Without `--model` it runs the embedded tiny default checkpoint (DeepSeek-V3 family, written
 under `--root` on first use). Every session shares one system prompt; each turn appends a
@@ -8,7 +9,8 @@ under `--root` on first use). Every session shares one system prompt; each turn 
 is replaced by a short stub, by AMORTIZE (odd sessions) or FORGET (every fourth turn of even
 sessions). Sessions run concurrently (continuous batching). Per turn it prints the prompt size
 and where its tokens came from: reused from cache, spliced (moved + rotated by AMORTIZE), or
-prefilled, with time to first token and end-to-end latency. The first turns include compilation.
+prefilled, with time to first token and end-to-end latency. The first turns include compilation;
+compiled programs are kept on disk (`serve.compile_cache`), so a second run skips it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import numpy as np
 
 import leyline_jax as ll
 from checkpoints.tiny import ensure_default_checkpoints
+from serve import compile_cache
 from serve.engine import Engine, SamplingParams
 
 STUB_LEN = 4
@@ -54,7 +57,14 @@ def main(argv=None) -> None:
         action="store_true",
         help="skip the untimed first pass that compiles every shape the script touches",
     )
+    ap.add_argument(
+        "--compile-cache",
+        default=None,
+        help=f"keep compiled programs in DIR (default ${compile_cache.ENV}, else "
+        f"{compile_cache.DEFAULT_DIR}; off: none)",
+    )
     args = ap.parse_args(argv)
+    compile_cache.enable(args.compile_cache)
 
     path = args.model or ensure_default_checkpoints(args.root)["deepseek_v3"]
     model = ll.load_model(path)

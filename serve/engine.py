@@ -5,6 +5,10 @@ jitted, shape-bucketed steps (`paged.extend`: one ragged step for prefill chunks
 tokens together; the directive steps; `sample`); everything here is host bookkeeping in plain
 Python, and the sampled tokens are the only thing a step reads back from the device.
 
+The engine is split by job: this module holds the API, sessions and the loop (admission
+order, the step runner); `serve.budget` the page arithmetic of admission, `serve.lineage` what
+may be shared through the radix cache, `serve.sampling` the sampling parameters and the draw.
+
 One iteration (`Engine.step`):
   1. admit queued turns, oldest first, while the pool can hold them (see "Pages" below); a turn
      carrying directives has them applied now: between iterations, never inside a step of
@@ -17,14 +21,15 @@ One iteration (`Engine.step`):
 Sessions. A session is a conversation: its token list (prompt and generated tokens of every
 turn so far) and, while it holds one, a sequence slot whose KV caches a prefix of that list.
 A turn appends tokens (and may carry directives, in the session's current coordinates) and
-generates. Idle sessions keep their KV until the pool needs it; an offloaded session keeps its
-token list and gets its prefix back from the radix cache (or a prefill) on its next turn.
+generates. An edit is applied to the tokens the KV holds; the previous turn's last output, known
+but not yet cached, is fed with the turn's new tokens if the edit keeps it and never if it
+deletes it; a FORGET cuts the KV and its re-prefill runs through the ragged step. Idle
+sessions keep their KV until the pool needs it; an offloaded session keeps its token list and
+gets its prefix back from the radix cache (or a prefill) on its next turn.
 
-Lineage. KV that AMORTIZE spliced is not what a fresh prefill of the same tokens gives, so it
-stays with the session (and its KV) that made it: each session tracks `clean`, the length of
-the prefix whose KV a fresh prefill would reproduce, and only that prefix enters the radix
-cache. A FORGET purges the radix path of the session's pre-edit tokens from the first evicted
-token on before the edit runs, and pages nobody references afterwards are zeroed.
+Lineage (`serve.lineage`). KV that AMORTIZE spliced stays with the session that made it: only
+the prefix a fresh prefill would reproduce (`clean`) enters the radix cache, and a FORGET purges
+the session's radix path from the first evicted token on.
 
 Pages. A turn is admitted only when the free pages, less what running turns may still take
 (their remaining prompt and token budget), cover the most it can take. To find room the engine
@@ -38,7 +43,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
-import math
 import time
 from collections.abc import Iterator, Sequence
 
@@ -53,76 +57,17 @@ from leyline_jax import kv_state as kv
 from leyline_jax import paged
 from leyline_jax.config import check_tokens
 from leyline_jax.directives import Mode
+from serve import budget, lineage
+from serve.budget import KVPlan, TurnPlan
 from serve.edits import edits_and_feed
 from serve.radix import RadixCache
+from serve.sampling import SamplingParams, is_int, sample
+
+__all__ = ["Engine", "Request", "RequestError", "SamplingParams", "Session", "TurnStats", "sample"]
 
 
 class RequestError(RuntimeError):
     """A turn that cannot be served (it never fits the pool or the sequence bound)."""
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
-
-
-def _is_real(v) -> bool:
-    return (_is_int(v) or isinstance(v, (float, np.floating))) and math.isfinite(v)
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """How a turn generates. Checked when made: a bad field raises ValueError naming it.
-
-    max_new_tokens: int >= 1. temperature: finite, >= 0 (0: greedy). top_p: in (0, 1].
-    stop_tokens: token ids (any sequence of non-negative ints; kept as a tuple). seed: in
-    [0, 2**32): with (seed, step) it fixes a sampled row's draw, whatever batch it is in."""
-
-    max_new_tokens: int = 16
-    temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0
-    stop_tokens: tuple[int, ...] = ()
-    seed: int = 0
-
-    def __post_init__(self):
-        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={self.max_new_tokens!r} must be an integer >= 1")
-        if not _is_real(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature!r} must be a finite number >= 0")
-        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p!r} must be a number in (0, 1]")
-        if not _is_int(self.seed) or not 0 <= self.seed < 2**32:
-            raise ValueError(f"seed={self.seed!r} must be an integer in [0, 2**32)")
-        stops = self.stop_tokens
-        if isinstance(stops, (str, bytes)) or not isinstance(stops, (Sequence, np.ndarray)):
-            raise ValueError(f"stop_tokens={stops!r} must be a sequence of token ids")
-        if not all(_is_int(t) and t >= 0 for t in stops):
-            raise ValueError(f"stop_tokens={stops!r} must hold non-negative integer token ids")
-        for name, value in (
-            ("max_new_tokens", int(self.max_new_tokens)),
-            ("temperature", float(self.temperature)),
-            ("top_p", float(self.top_p)),
-            ("seed", int(self.seed)),
-            ("stop_tokens", tuple(int(t) for t in stops)),
-        ):
-            object.__setattr__(self, name, value)
-
-
-@jax.jit
-def sample(logits, temperature, top_p, seed, step):
-    """One token per row of f32[B, V] logits: greedy where temperature == 0, else a draw from
-    the top-p nucleus of softmax(logits / temperature). The key depends on (seed, step) only, so
-    a row draws the same token whatever batch it is in."""
-
-    def row(lg, t, p, s, n):
-        key = jax.random.fold_in(jax.random.PRNGKey(s), n)
-        scaled = lg / jnp.maximum(t, 1e-6)
-        order = jnp.argsort(-scaled)
-        probs = jax.nn.softmax(scaled[order])
-        keep = (jnp.cumsum(probs) - probs) < p  # the smallest prefix with mass >= p
-        drawn = order[jax.random.categorical(key, jnp.where(keep, scaled[order], -jnp.inf))]
-        return jnp.where(t > 0, drawn, jnp.argmax(lg)).astype(jnp.int32)
-
-    return jax.vmap(row)(logits, temperature, top_p, seed, step)
 
 
 @dataclasses.dataclass
@@ -131,17 +76,17 @@ class TurnStats:
     reused_tokens: int = 0  # ... whose KV was already cached and kept as is
     spliced_tokens: int = 0  # ... whose KV AMORTIZE moved and rotated
     prefilled_tokens: int = 0  # ... run through the model in this turn
-    submitted_s: float = 0.0
+    submitted_s: float = 0.0  # perf_counter() times, and the two spans measured from them
     first_token_s: float | None = None
     finished_s: float | None = None
+    ttft_s: float | None = None  # submission to first token
+    latency_s: float | None = None  # submission to finish (or failure)
 
-    @property
-    def ttft_s(self) -> float | None:
-        return None if self.first_token_s is None else self.first_token_s - self.submitted_s
+    def first_token(self, now: float) -> None:
+        self.first_token_s, self.ttft_s = now, now - self.submitted_s
 
-    @property
-    def latency_s(self) -> float | None:
-        return None if self.finished_s is None else self.finished_s - self.submitted_s
+    def finished(self, now: float) -> None:
+        self.finished_s, self.latency_s = now, now - self.submitted_s
 
 
 class Request:
@@ -185,16 +130,6 @@ class Request:
                     raise self.error
                 return
             self.engine.step()
-
-
-@dataclasses.dataclass(frozen=True)
-class _Plan:
-    """What an admitted turn does: a validated directive batch (the session's coordinates),
-    then the turn's whole prompt (the edited list and the new tokens)."""
-
-    directives: list[ll.Directive]
-    prompt: list[int]
-    edited: int  # the edited list's length: prompt[:edited] is the session after the batch
 
 
 @dataclasses.dataclass(eq=False)
@@ -321,8 +256,39 @@ class Engine:
         self._offload(s)
         del self.sessions[session]
 
+    def reset_prefix_cache(self) -> int:
+        """Empty the radix prefix cache (like vLLM's `reset_prefix_cache`): the tree drops
+        every reference it holds, and pages no session holds return to the pool. Sessions keep
+        their own KV (close them to drop it); their clean prefixes enter the cache again as
+        they run. Returns how many pages came back to the pool."""
+        if self.radix is None:
+            return 0
+        before = len(kv.free_pages(self.state))
+        pages = self.radix.clear()
+        if pages:
+            self.state = paged.release(self.state, pages)
+        return len(kv.free_pages(self.state)) - before
+
+    def warmup(self) -> int:
+        """Compile every shape this engine's ragged step and sampling can take (row buckets up
+        to `max_seqs`, token buckets up to `prefill_chunk` tokens a row), each run once on
+        padding that writes nothing, so prefill and decode meet no compilation; the directive
+        steps (splice moves, zeroing freed pages) compile on first use, one shape per bucket.
+        Returns how many shapes ran. With the persistent compilation cache on
+        (`serve.compile_cache`), a later process loads them instead."""
+        self.state, shapes = paged.precompile(
+            self.model, self.state, self.state.max_seqs, self.prefill_chunk, graph=self.graph
+        )
+        vocab = self.model.config.vocab_size
+        for b in (1 << i for i in range(paged.bucket(self.state.max_seqs).bit_length())):
+            f32, seed = jnp.zeros(b, jnp.float32), jnp.zeros(b, jnp.uint32)
+            logits = jnp.zeros((b, vocab), jnp.float32)
+            jax.block_until_ready(sample(logits, f32, f32 + 1, seed, jnp.zeros(b, jnp.int32)))
+            shapes += 1
+        return shapes
+
     def _session(self, session: int) -> Session:
-        s = self.sessions.get(session) if _is_int(session) else None
+        s = self.sessions.get(session) if is_int(session) else None
         if s is None:
             raise KeyError(f"unknown or closed session {session}")
         return s
@@ -350,11 +316,8 @@ class Engine:
 
     def _still_needs(self, req: Request) -> int:
         """Pages a running turn may still take: its remaining prompt and token budget."""
-        s, ps = req.session, self.page_size
-        n = int(self.state.lengths[s.seq])
-        final = n + len(req.pending) + req.sampling.max_new_tokens - req.fed
-        shared = kv.last_page_shared(self.state, s.seq)
-        return -(-final // ps) - (-(-n // ps)) + int(bool(shared))
+        left = req.sampling.max_new_tokens - req.fed
+        return budget.still_needs(self.state, req.session.seq, len(req.pending), left)
 
     def _available(self) -> int:
         free = len(kv.free_pages(self.state))
@@ -372,12 +335,12 @@ class Engine:
             self._queued.remove((order, req))
             s.queue.popleft()
 
-    def _plan(self, req: Request) -> _Plan:
+    def _plan(self, req: Request) -> TurnPlan:
         """Validate the turn against its session now. Explicit directives are taken as given,
         each in its own mode; a whole prompt (`submit_prompt`) becomes directives + new tokens
-        here, against the session's tokens as they are now. A turn always feeds at least one
-        token (its first output needs logits): a turn that adds none feeds the edited list's
-        last token again. Raises DirectiveError (a ValueError) for what the session refuses."""
+        here, against the session's tokens as they are now. Raises DirectiveError (a
+        ValueError) for what the session refuses (`budget.kv_plan` then decides what of the
+        cached KV the turn keeps and what it feeds)."""
         s, vocab = req.session, self.model.config.vocab_size
         if req.prompt is not None:
             ds, new = edits_and_feed(s.tokens, req.prompt, mode=req.mode)
@@ -387,48 +350,15 @@ class Engine:
         edited = dv.apply_to_list(s.tokens, ds)
         if not new and not edited:
             raise dv.DirectiveError("the turn would leave the session empty: it adds no token")
-        return _Plan(ds, edited + list(new), len(edited))
+        return TurnPlan(ds, edited + list(new))
 
-    @staticmethod
-    def _kept(s: Session, plan: _Plan) -> int:
-        """Tokens of a session holding KV whose KV the turn keeps before feeding its first
-        token (a re-fed last token is cut)."""
-        held = plan.edited if plan.directives else s.cached
-        return held - 1 if held == len(plan.prompt) else held
-
-    def _need(self, req: Request, plan: _Plan) -> tuple[int, int]:
-        """(pages the turn may take from the pool at most, pages of the session's own that stay
-        held while it does). An AMORTIZE splice copies the kept tokens into fresh pages before
-        the old ones are released, so all the session's pages stay held at its peak; otherwise
-        only those before the first edit (a FORGET cuts before it takes)."""
-        s, ps = req.session, self.page_size
-        final = len(plan.prompt) + req.sampling.max_new_tokens
-        if s.seq is None:
-            return -(-final // ps) + 1, 0
-        n = int(self.state.lengths[s.seq])
-        ds = plan.directives
-        first = ds[0].start if ds else n
-        keep = min(first, len(plan.prompt) - 1) // ps  # a re-fed last token may cut a page
-        cut = min([d.start for d in ds if d.mode is Mode.FORGET], default=n)
-        splices = any(d.mode is Mode.AMORTIZE and d.end <= cut for d in ds)
-        held = -(-n // ps) if splices else keep
-        return -(-final // ps) - keep + 1, held
-
-    def _freed_first(self, s: Session, plan: _Plan) -> int:
-        """Pages a turn frees before it takes any: a batch that cuts (FORGET) without splicing
-        first drops the session's pages past its first edit, and its radix purge drops the
-        tree's references to them; those nobody else holds come back to the pool."""
-        ds = plan.directives
-        if s.seq is None or not ds or any(d.mode is Mode.AMORTIZE for d in ds):
-            return 0
-        ps, cut = self.page_size, ds[0].start
-        held = self.state.page_table[s.seq, cut // ps : -(-int(self.state.lengths[s.seq]) // ps)]
-        purged = set()
-        if self.radix is not None:
-            pages, _ = self.radix.peek(s.tokens)
-            purged = set(pages[cut // ps :])
-        refs = self.state.refcount
-        return sum(1 for p in held if refs[p] - 1 - (int(p) in purged) == 0)
+    def _cut(self, s: Session, ds, cut: int) -> None:
+        """Truncate a session's KV to tokens[:cut] (KV before the cut is kept exactly), after
+        a FORGET batch's radix purge."""
+        self._purge(s, ds)
+        trunc = ll.Directive(cut, s.cached, (), Mode.FORGET)
+        self.state = ll.apply_directives(self.model, self.state, s.seq, [trunc])
+        s.cached, s.clean = cut, min(s.clean, cut)
 
     def _try_admit(self, req: Request) -> str:
         s = req.session
@@ -445,11 +375,13 @@ class Engine:
                     f"max_new_tokens), more than max_seq_len={self.state.max_seq_len}"
                 ),
             )
-        if s.seq is not None and self._kept(s, plan) == 0:
+        kvp = None if s.seq is None else budget.kv_plan(s.cached, plan)
+        if kvp is not None and kvp.kept == 0:
             # nothing of the cached KV survives the edit: the session's KV starts again
             self._offload(s)
             self._purge(s, plan.directives)
-        need, held = self._need(req, plan)
+            kvp = None
+        need, held = budget.need(self.page_size, plan, req.sampling.max_new_tokens, kvp)
         if need > self.state.num_pages - held:
             return self._fail(
                 req,
@@ -458,13 +390,17 @@ class Engine:
                     f"{held} its session holds meanwhile; the pool has {self.state.num_pages}"
                 ),
             )
-        if not self._make_room(need - self._freed_first(s, plan), s):
+        if kvp is not None and kvp.cut < s.cached:
+            # cut first: the pages past the cut come back before the turn takes any (the turn
+            # will cut there whenever it runs; a turn that then waits leaves its session cut)
+            self._cut(s, plan.directives, kvp.cut)
+        if not self._make_room(need, s):
             return "wait"
         fresh = s.seq is None
         if fresh and not self._take_slot(s):
             return "wait"
         try:
-            self._start(req, plan, fresh)
+            self._start(req, plan, kvp)
         except ll.OutOfPagesError:  # the accounting above is an upper bound: not expected
             s.active, req.status = None, "queued"
             return "wait"
@@ -518,41 +454,28 @@ class Engine:
         return seq
 
     def _cache_prefix(self, s: Session) -> None:
-        if self.radix is None or s.seq is None:
-            return
-        ps = self.page_size
-        n = min(s.clean, s.cached) // ps
-        if n == 0:
-            return
-        row = self.state.page_table[s.seq, :n]
-        taken = self.radix.insert(s.tokens[: n * ps], [int(p) for p in row])
-        if taken:
-            self.state = paged.retain(self.state, taken)
+        if s.seq is not None:
+            self.state = lineage.cache_prefix(
+                self.radix, self.state, s.seq, s.tokens, min(s.clean, s.cached)
+            )
 
     def _fail(self, req: Request, error: Exception) -> str:
         req.status, req.error = "failed", error
-        req.stats.finished_s = time.perf_counter()
+        req.stats.finished(time.perf_counter())
         self.counters["failed_turns"] += 1
         return "failed"
 
     def _purge(self, s: Session, ds) -> None:
-        """A batch with a FORGET: the radix cache forgets the session's path from the first
-        FORGET start on (its KV was computed with the evicted tokens); pages nobody else holds
-        are zeroed. Idempotent."""
-        forget = [d for d in ds if d.mode is Mode.FORGET]
-        if forget and self.radix is not None:
-            pages = self.radix.purge(s.tokens, forget[0].start)
-            if pages:
-                self.state = paged.release(self.state, pages, zero=True)
+        self.state = lineage.purge(self.radix, self.state, s.tokens, ds)
 
-    def _start(self, req: Request, plan: _Plan, fresh: bool) -> None:
-        """Apply the turn's directives and set up its prompt (the turn is admitted). `fresh`:
-        the session has just been given an empty sequence slot."""
-        s, st, ds, prompt = req.session, req.stats, plan.directives, plan.prompt
-        self._purge(s, ds)
+    def _start(self, req: Request, plan: TurnPlan, kvp: KVPlan | None) -> None:
+        """Apply the turn's edit to the session's KV and set up its prompt (the turn is
+        admitted). `kvp` None: the session has just been given an empty sequence slot."""
+        s, st, prompt = req.session, req.stats, plan.prompt
+        self._purge(s, plan.directives)
         st.prompt_tokens = len(prompt)
         st.reused_tokens = st.spliced_tokens = 0
-        if fresh:  # the longest clean prefix from the radix cache
+        if kvp is None:  # the longest clean prefix from the radix cache
             pages, hit = [], 0
             if self.radix is not None:
                 pages, hit = self.radix.match(prompt, max_tokens=len(prompt) - 1)
@@ -560,19 +483,15 @@ class Engine:
                 self.state = paged.free(self.state, s.seq)
                 self.state = paged.adopt(self.state, s.seq, pages, prompt[:hit])
             s.cached = s.clean = st.reused_tokens = hit
-        else:
-            last_moved = False
-            if ds:  # directives address every token the session holds: cache them first
-                self._feed_unfed(s)
-                st.reused_tokens, st.spliced_tokens, last_moved = self._apply(s, ds)
-            else:
-                st.reused_tokens = s.cached
-            if s.cached == len(prompt):  # nothing new: the last token is fed again
-                self._cut_last(s)
-                if st.reused_tokens == len(prompt):
-                    st.reused_tokens -= 1
-                elif last_moved:
-                    st.spliced_tokens -= 1
+        else:  # the KV holds tokens[:cut] (`_try_admit` cut it): splice what precedes the cut
+            st.reused_tokens = kvp.cut
+            if kvp.splices:
+                self.state, done = ll.apply_directives(
+                    self.model, self.state, s.seq, kvp.splices, report=True
+                )
+                st.reused_tokens, st.spliced_tokens = done.reused, done.spliced
+            s.clean = lineage.clean_after_edit(s.clean, kvp)
+            s.cached = kvp.kept
         s.tokens = list(prompt)
         req.pending = prompt[s.cached :]
         st.prefilled_tokens = len(prompt) - st.reused_tokens - st.spliced_tokens
@@ -586,47 +505,6 @@ class Engine:
         self.counters["reused"] += st.reused_tokens
         self.counters["spliced"] += st.spliced_tokens
 
-    def _feed_unfed(self, s: Session) -> None:
-        """Bring the KV up to the session's token list (the last generated token of the
-        previous turn is known but not yet cached) so directives address cached tokens."""
-        rest = s.tokens[s.cached :]
-        for a in range(0, len(rest), self.prefill_chunk):
-            block = rest[a : a + self.prefill_chunk]
-            self.state, _ = paged.extend(self.model, self.state, [s.seq], [block], graph=self.graph)
-        if s.clean == s.cached:
-            s.clean = len(s.tokens)
-        s.cached = len(s.tokens)
-
-    def _cut_last(self, s: Session) -> None:
-        """Drop the KV of the session's last cached token (a truncation: the rest is kept
-        exactly), so that the token can be fed again for its logits."""
-        n = s.cached
-        cut = ll.Directive(n - 1, n, (), Mode.FORGET)
-        self.state = ll.apply_directives(self.model, self.state, s.seq, [cut])
-        s.cached, s.clean = n - 1, min(s.clean, n - 1)
-
-    def _apply(self, s: Session, ds) -> tuple[int, int, bool]:
-        """Apply a validated directive batch to a session holding KV of all its tokens; update
-        its lineage. Returns (tokens reused, tokens spliced, whether the edited list's last
-        token is a spliced one)."""
-        self.state = ll.apply_directives(self.model, self.state, s.seq, ds)
-        forget = [d for d in ds if d.mode is ll.Mode.FORGET]
-        cut = forget[0].start if forget else len(s.tokens)
-        spliced = [d for d in ds if d.end <= cut and d.mode is ll.Mode.AMORTIZE]
-        cut_new = cut + sum(d.delta for d in spliced)
-        new_len = len(dv.apply_to_list(s.tokens, ds))
-        reused = ds[0].start
-        # kept tokens after the first edit that AMORTIZE moved (and rotated) rather than refed
-        moved = (cut - ds[0].start) - sum(d.end - d.start for d in spliced)
-        ends_in_replacement = bool(spliced) and spliced[-1].end == cut and spliced[-1].replacement
-        last_moved = moved > 0 and new_len == cut_new and not ends_in_replacement
-        if spliced:
-            s.clean = min(s.clean, spliced[0].start)
-        elif s.clean >= cut:  # FORGET alone re-prefills after a clean prefix: all clean
-            s.clean = new_len
-        s.cached = new_len
-        return reused, moved, last_moved
-
     # ---- device steps -------------------------------------------------------------------------
     def _run_batch(self) -> None:
         """One ragged step for every running turn: the next prompt chunk of each prefilling
@@ -639,8 +517,9 @@ class Engine:
             r.pending[: self.prefill_chunk] if r.status == "prefill" else [r.output[-1]]
             for r in rows
         ]
+        seqs = [r.session.seq for r in rows]
         self.state, logits = paged.extend(
-            self.model, self.state, [r.session.seq for r in rows], blocks, graph=self.graph
+            self.model, self.state, seqs, blocks, graph=self.graph, padded=True
         )
         emit = []
         for i, (r, b) in enumerate(zip(rows, blocks, strict=True)):
@@ -658,17 +537,18 @@ class Engine:
             if not r.pending:
                 emit.append(i)
         if emit:
-            self._emit([rows[i] for i in emit], logits[np.asarray(emit)])
+            self._emit(rows, emit, logits)
 
-    def _emit(self, rows: list[Request], logits) -> None:
-        """Sample one token for each row and finish the turns that are done."""
-        b = paged.bucket(len(rows))
-        pad = b - len(rows)
+    def _emit(self, rows: list[Request], emit: list[int], logits) -> None:
+        """Sample a token for rows[i], i in `emit`, and finish the turns that are done.
+        `logits`: the step's, one row per step row and padding ([row bucket, vocab]); every row
+        is sampled (padding and rows still prefilling are discarded), so sampling compiles one
+        shape per row bucket, like the step."""
+        pad = logits.shape[0] - len(rows)
 
         def col(values, dtype):
             return jnp.asarray(np.asarray(values + [values[0]] * pad, dtype))
 
-        logits = jnp.pad(logits, ((0, pad), (0, 0)))
         toks = sample(
             logits,
             col([r.sampling.temperature for r in rows], np.float32),
@@ -677,22 +557,22 @@ class Engine:
             col([len(r.output) for r in rows], np.int32),
         )
         with jax.transfer_guard_device_to_host("allow"):  # the one read a step makes
-            toks = np.asarray(toks)[: len(rows)].tolist()
+            toks = np.asarray(toks)
         now = time.perf_counter()
-        for r, t in zip(rows, toks, strict=True):
+        for r, t in ((rows[i], int(toks[i])) for i in emit):
             s = r.session
             r.output.append(t)
             s.tokens.append(t)
             s.last_used = now
             if r.stats.first_token_s is None:
-                r.stats.first_token_s = now
+                r.stats.first_token(now)
             r.status = "decode"
             if t in r.sampling.stop_tokens or len(r.output) >= r.sampling.max_new_tokens:
                 self._finish(r, now)
 
     def _finish(self, r: Request, now: float) -> None:
         r.status = "done"
-        r.stats.finished_s = now
+        r.stats.finished(now)
         s = r.session
         s.active = None
         self._cache_prefix(s)

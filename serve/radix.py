@@ -16,6 +16,7 @@ and purges the path of a FORGET-edited sequence from the first evicted token on.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections.abc import Sequence
 
@@ -118,19 +119,31 @@ class RadixCache:
 
     def evict(self, want: int, refcount: Sequence[int]) -> list[int]:
         """Drop least recently used leaves whose pages only the tree references (refcount 1)
-        until `want` pages would be freed or none is left. Returns the pages to release."""
+        until `want` pages would be freed or none is left. Returns the pages to release.
+
+        One walk of the tree collects the evictable leaves into a heap keyed by last use;
+        each eviction pops the oldest, and a parent left childless (and evictable) joins the
+        heap: O(n + k log n) for k evictions, not a rescan of the tree per eviction."""
+
+        def evictable(n: _Node) -> bool:
+            return not n.children and all(refcount[p] == 1 for p in n.pages)
+
+        order = itertools.count()  # ties: no comparison of nodes
+        heap = [(n.last_used, next(order), n) for n in self._nodes() if evictable(n)]
+        heapq.heapify(heap)
         out: list[int] = []
-        while len(out) < want:
-            leaves = [
-                n
-                for n in self._nodes()
-                if not n.children and all(refcount[p] == 1 for p in n.pages)
-            ]
-            if not leaves:
-                break
-            leaf = min(leaves, key=lambda n: n.last_used)
-            self._remove(leaf)
-            out += leaf.pages
+        while len(out) < want and heap:
+            _, _, leaf = heapq.heappop(heap)
+            parent = leaf.parent
+            out += self._remove(leaf)
+            if parent is not self.root and evictable(parent):
+                heapq.heappush(heap, (parent.last_used, next(order), parent))
+        return out
+
+    def clear(self) -> list[int]:
+        """Forget everything; returns every page the tree held (the caller releases them)."""
+        out = self.pages()
+        self.root.children.clear()
         return out
 
     def purge(self, tokens: Sequence[int], start: int) -> list[int]:

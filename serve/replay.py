@@ -28,11 +28,12 @@ time. Writes DIR/results.json (one row per arm and concurrency), DIR/results.md,
 
 Models whose vocabulary is smaller than the tokenizer's (the embedded tiny default: 256) see
 token ids mapped by `id % vocab_size`; token counts are the real tokenizer's either way. Before
-the timed runs an untimed pass of the same replay compiles every shape it touches
-(`--no-warmup` skips it; `--compile-cache DIR` keeps compiled programs on disk for later runs),
-so latencies are serving times, not compile times: `compiles` in each row counts the jitted
-shapes its timed run still had to compile (0 after the warm-up; a warm-up of fewer runs, e.g.
-only the largest concurrency, left some, and they landed on whichever arm ran first).
+the timed runs an untimed compile pass compiles every shape the ragged step and sampling can
+take at each concurrency (`Engine.warmup`; `--warmup replay` replays everything untimed
+instead, `--warmup none` / `--no-warmup` skips it; compiled programs are kept on disk for later
+runs: `--compile-cache`), so latencies are serving times, not compile times: `compiles` in each
+row counts the jitted shapes its timed run still had to compile (after the compile pass: the
+directive steps' shapes, which compile on first use, on whichever arm meets them first).
 """
 
 from __future__ import annotations
@@ -44,14 +45,13 @@ import statistics
 import time
 from pathlib import Path
 
-import jax
 import numpy as np
 from tqdm import tqdm
 
 import leyline_jax as ll
 from checkpoints.tiny import ensure_default_checkpoints
 from leyline_jax import paged
-from serve import policies, traces
+from serve import compile_cache, policies, traces
 from serve.chat import ChatTokenizer, render
 from serve.engine import Engine, SamplingParams, sample
 
@@ -104,20 +104,26 @@ def _pct(values, q):
     return float(np.percentile(np.asarray(values), q)) if values else 0.0
 
 
-def run_arm(
-    model, work, arm: str, concurrency: int, *, max_new: int, page_size: int, progress: bool = False
-) -> tuple[dict, list[dict]]:
-    """Replay `work` (per trace, per step: prompt tokens) in one arm; (summary row, per step)."""
+def make_engine(model, work, concurrency: int, *, max_new: int, page_size: int) -> Engine:
+    """The engine a replay of `work` at `concurrency` runs on: a pool large enough that nothing
+    is evicted, sequences as long as the longest prompt plus its output."""
     longest = max(len(s) for steps in work for s in steps) + max_new + page_size
     max_seq = -(-longest // page_size) * page_size
     per_seq = max_seq // page_size
-    engine = Engine(
+    return Engine(
         model,
         num_pages=(concurrency + 2) * per_seq * 2,
         page_size=page_size,
         max_seqs=concurrency,
         max_seq_len=max_seq,
     )
+
+
+def run_arm(
+    model, work, arm: str, concurrency: int, *, max_new: int, page_size: int, progress: bool = False
+) -> tuple[dict, list[dict]]:
+    """Replay `work` (per trace, per step: prompt tokens) in one arm; (summary row, per step)."""
+    engine = make_engine(model, work, concurrency, max_new=max_new, page_size=page_size)
     sampling = SamplingParams(max_new_tokens=max_new)
     pending = list(range(len(work)))
     live: dict[int, list] = {}  # trace -> [step index, session id, request]
@@ -267,10 +273,21 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--limit", type=int, default=None, help="first N traces")
     ap.add_argument("--sample", type=int, default=None, help="a seeded random sample of N traces")
     ap.add_argument("--seed", type=int, default=0, help="the sample's seed")
-    ap.add_argument("--compile-cache", default=None, help="keep compiled programs in DIR")
+    ap.add_argument(
+        "--compile-cache",
+        default=None,
+        help="keep compiled programs in DIR (default: serve.compile_cache's; off: none)",
+    )
     ap.add_argument("--max-new", type=int, default=4, help="tokens generated per step")
     ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--no-warmup", action="store_true")
+    ap.add_argument(
+        "--warmup",
+        choices=("compile", "replay", "none"),
+        default="compile",
+        help="before the timed runs: compile every step shape (default), replay it all "
+        "untimed, or nothing",
+    )
+    ap.add_argument("--no-warmup", action="store_true", help="the same as --warmup none")
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
@@ -282,9 +299,7 @@ def main(argv=None) -> list[dict]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    if args.compile_cache:
-        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    compile_cache.enable(args.compile_cache)
     path = args.model or ensure_default_checkpoints(args.root)["deepseek_v3"]
     model = ll.load_model(path)
     tok = ChatTokenizer()
@@ -295,8 +310,15 @@ def main(argv=None) -> list[dict]:
     work = prompts(trace_list, tok, model.config.vocab_size, args.policy, kw)
     policy = f"{args.policy}(keep={args.keep})" if args.policy else "none"
     print(f"{len(work)} traces, {sum(len(w) for w in work)} steps, model {path}, policy {policy}")
-    if not args.no_warmup:
-        t0 = time.perf_counter()
+    warmup = "none" if args.no_warmup else args.warmup
+    t0 = time.perf_counter()
+    if warmup == "compile":
+        shapes = sum(
+            make_engine(model, work, c, max_new=args.max_new, page_size=args.page_size).warmup()
+            for c in conc
+        )
+        print(f"compile pass: {shapes} shapes in {time.perf_counter() - t0:.1f} s")
+    elif warmup == "replay":
         for c in conc:
             for arm in arms:
                 run_arm(model, work, arm, c, max_new=args.max_new, page_size=args.page_size)

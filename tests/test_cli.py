@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 from serve import __main__ as cli
 
 
@@ -17,6 +21,8 @@ def test_cli_runs_the_scripted_conversation(tmp_path, capsys):
             "--max-new",
             "2",
             "--no-warmup",
+            "--compile-cache",
+            "off",  # in this process: the cache is tested in its own processes below
         ]
     )
     out = capsys.readouterr().out
@@ -29,3 +35,20 @@ def test_cli_runs_the_scripted_conversation(tmp_path, capsys):
     edits = [row[2] for row in rows]
     assert "amortize" in edits and "forget" in edits
     assert any(int(row[4]) > 0 for row in rows if row[1] == "0")  # the shared system prompt
+
+
+def test_a_second_run_loads_its_programs_from_the_compile_cache(tmp_path):
+    """The CLI keeps compiled programs on disk: a second process finds every program it needs
+    there and writes none (the first one wrote them all)."""
+    cache = tmp_path / "cache"
+    args = ["--root", str(tmp_path / "ckpt"), "--sessions", "2", "--turns", "2"]
+    args += ["--max-new", "2", "--no-warmup", "--compile-cache", str(cache)]
+    root = Path(__file__).resolve().parents[1]
+
+    def run():
+        subprocess.run([sys.executable, "-m", "serve", *args], cwd=root, check=True, timeout=600)
+        return sorted(p.name for p in cache.rglob("*") if p.is_file())
+
+    first = run()
+    assert len(first) >= 5  # the steps, the directive steps, sampling
+    assert run() == first

@@ -133,8 +133,9 @@ def test_counters_add_up(model):
     r2.result()
     st = r2.stats
     assert st.prompt_tokens == 43 - 10 + 1 + 2
-    assert (st.reused_tokens, st.spliced_tokens) == (10, 43 - 20)
-    assert st.prefilled_tokens == 1 + 2
+    # the last output (known, never cached) is fed with the new tokens, not spliced
+    assert (st.reused_tokens, st.spliced_tokens) == (10, 42 - 20)
+    assert st.prefilled_tokens == 1 + 1 + 2
     assert st.ttft_s > 0 and st.latency_s >= st.ttft_s
 
 
@@ -365,7 +366,8 @@ def test_submit_prompt_derives_the_directives(model):
         same.result()
         assert same.stats.prefilled_tokens == 1
     assert outs["directive"] == outs["prompt"]
-    assert outs["prompt"][1] == 70 + 2 - 45  # the kept tokens after the edit were spliced
+    # the cached tokens after the edit were spliced (the last output is fed, never cached)
+    assert outs["prompt"][1] == 70 + 1 - 45
 
 
 @pytest.mark.parametrize("mode", [ll.Mode.AMORTIZE, ll.Mode.FORGET])
@@ -447,3 +449,113 @@ def test_a_step_reads_only_the_sampled_tokens(model):
             with pytest.raises(Exception, match="[Dd]isallowed"):
                 np.asarray(engine.state.c_kv)
     assert all(len(r.result()) == 3 for r in reqs)
+
+
+@pytest.fixture
+def fed(monkeypatch):
+    """Tokens each call of the ragged step (`paged.extend`) and of `paged.prefill` runs."""
+    calls = {"extend": [], "prefill": []}
+    extend, prefill = paged.extend, paged.prefill
+
+    def spy_extend(model, state, seqs, blocks, **kw):
+        calls["extend"].append(sum(len(b) for b in blocks))
+        return extend(model, state, seqs, blocks, **kw)
+
+    def spy_prefill(model, state, seq, tokens, *a, **kw):
+        calls["prefill"].append(len(tokens))
+        return prefill(model, state, seq, tokens, *a, **kw)
+
+    monkeypatch.setattr(paged, "extend", spy_extend)
+    monkeypatch.setattr(paged, "prefill", spy_prefill)
+    return calls
+
+
+@pytest.mark.parametrize("case", ["keeps_output", "deletes_output", "forget"])
+def test_an_edited_turn_feeds_only_what_its_edit_keeps(model, fed, case):
+    """The previous turn's last output is known but not cached. An edit is applied to the
+    cached tokens alone: the output is fed with the turn's new tokens if the edit keeps it,
+    never if it deletes it; a FORGET cuts and its re-prefill rides the ragged step (no
+    separate prefill). One step per turn here: tokens through it = what the edit left."""
+    engine = make_engine(model)
+    s = engine.open_session()
+    first = list(range(40))
+    g = engine.submit(s, first, sampling=SamplingParams(1)).result()
+    assert engine.sessions[s].tokens == first + g
+    mode = ll.Mode.FORGET if case == "forget" else ll.Mode.AMORTIZE
+    ds = [ll.Directive(10, 20, [1], mode)]
+    if case == "deletes_output":
+        ds.append(ll.Directive(40, 41, ()))
+    fed["extend"].clear()
+    r = engine.submit(s, [5, 6], directives=ds, sampling=SamplingParams(1))
+    out = r.result()
+    prompt = dv.apply_to_list(first + g, ds) + [5, 6]
+    st = r.stats
+    assert st.prompt_tokens == len(prompt)
+    if case == "forget":
+        assert (st.reused_tokens, st.spliced_tokens) == (10, 0)
+        assert fed["extend"] == [len(prompt) - 10]
+    else:
+        assert (st.reused_tokens, st.spliced_tokens) == (10, 20)
+        assert fed["extend"] == [len(prompt) - 31]  # [g, 5, 6] or [5, 6]
+    assert st.prefilled_tokens == len(prompt) - st.reused_tokens - st.spliced_tokens
+    assert fed["prefill"] == []
+    if case == "forget":  # FORGET is exact: a fresh session of the edited prompt agrees
+        fresh = make_engine(model)
+        alone = fresh.submit(fresh.open_session(), prompt, sampling=SamplingParams(1))
+        assert alone.result() == out
+    check_refcounts(engine)
+
+
+def test_reset_prefix_cache_empties_the_tree_only(model):
+    """`reset_prefix_cache` drops the tree's references: pages only it held come back to the
+    pool and a new session reuses nothing; an open session keeps its own KV."""
+    engine = make_engine(model)
+    kept, closed = engine.open_session(), engine.open_session()
+    engine.submit(kept, SYSTEM + [1, 2], sampling=SamplingParams(2)).result()
+    engine.submit(closed, list(range(100, 140)), sampling=SamplingParams(2)).result()
+    engine.close_session(closed)
+    assert len(engine.radix) > 0
+    free = len(engine.state.refcount) - np.count_nonzero(engine.state.refcount)
+    back = engine.reset_prefix_cache()
+    assert back == 40 // PS  # the closed session's pages; the open one's stay held
+    assert len(engine.radix) == 0
+    assert len(engine.state.refcount) - np.count_nonzero(engine.state.refcount) == free + back
+    check_refcounts(engine)
+    other = engine.open_session()
+    again = engine.submit(other, list(range(100, 140)), sampling=SamplingParams(2))
+    again.result()
+    assert again.stats.reused_tokens == 0
+    nxt = engine.submit(kept, [3])
+    nxt.result()
+    assert nxt.stats.reused_tokens == len(SYSTEM) + 2 + 1  # its own KV, not the tree's
+    engine.close_session(other)
+    assert engine.reset_prefix_cache() == 40 // PS
+    assert Engine(model, radix=False, num_pages=8).reset_prefix_cache() == 0
+
+
+def test_turn_stats_serialise_whole(model):
+    import dataclasses
+
+    engine = make_engine(model)
+    r = engine.submit(engine.open_session(), [1, 2, 3], sampling=SamplingParams(2))
+    r.result()
+    d = dataclasses.asdict(r.stats)
+    assert d["ttft_s"] == r.stats.first_token_s - r.stats.submitted_s > 0
+    assert d["latency_s"] == r.stats.finished_s - r.stats.submitted_s >= d["ttft_s"]
+
+
+def test_warmup_compiles_every_shape_serving_meets(model):
+    """After `warmup`, sessions of every size (a prompt longer than a chunk, decode beside
+    prefill, up to max_seqs rows, an AMORTIZE edit's fill) compile no ragged step and no
+    sampling shape. The pool size is this test's own, so no other test compiled these shapes."""
+    engine = make_engine(model, num_pages=77, max_seqs=4, prefill_chunk=32)
+    assert engine.warmup() > 0
+    before = (paged.compile_counts()["step"], sample._cache_size())
+    rng = np.random.default_rng(21)
+    sids = [engine.open_session() for _ in range(4)]
+    for n, s in zip((100, 3, 17, 40), sids, strict=True):
+        engine.submit(s, rng.integers(0, 256, n).tolist(), sampling=SamplingParams(3))
+        engine.step()  # staggered arrivals: prefill chunks ride with decode rows
+    engine.run_until_idle()
+    engine.submit(sids[0], [1, 2], directives=[ll.Directive(5, 60, [4] * 9)]).result()
+    assert (paged.compile_counts()["step"], sample._cache_size()) == before

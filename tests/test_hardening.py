@@ -331,3 +331,38 @@ def test_a_splice_that_can_never_fit_beside_its_own_pages_fails_alone(model):
     )
     f.result()
     assert engine.sessions[s].tokens[:89] == list(range(2, 91))
+
+
+def _run_or_wedge(engine, req, steps=300):
+    """Step the engine until `req` finishes; fail (rather than loop forever) if it never does."""
+    for _ in range(steps):
+        if req.finished:
+            break
+        engine.step()
+    assert req.finished, "the turn is wedged: admitted as fitting, never given its pages"
+    assert req.error is None, req.error
+
+
+def test_a_cut_and_splice_turn_that_fits_is_admitted(model):
+    """Admission counts what a turn's cut frees before it takes: a session holding 10 of 16
+    pages (its clean pages shared with the radix tree) splices before a FORGET that drops 8 of
+    them; the turn needs 11 pages beside the 2 it keeps and must run, not wait for ever."""
+    engine = make_engine(model, num_pages=16, max_seqs=1)
+    s = engine.open_session()
+    engine.submit(s, list(range(1, 151)), sampling=SamplingParams(10)).result()
+    assert engine.sessions[s].cached == 159
+    ds = [Directive(10, 12, (7,)), Directive(20, 30, (), Mode.FORGET)]
+    r = engine.submit(s, [1, 2], directives=ds, sampling=SamplingParams(2))
+    _run_or_wedge(engine, r)
+    st = r.stats
+    assert st.reused_tokens + st.spliced_tokens + st.prefilled_tokens == st.prompt_tokens
+
+
+def test_a_turn_keeping_a_partial_page_counts_it_held(model):
+    """A session holding 5 tokens (one partial page of 8) in a 4-page pool asks for a turn
+    ending at 24 tokens: 3 pages in all, 2 beyond its own. It fits and must run."""
+    engine = Engine(model, num_pages=4, page_size=8, max_seqs=1)
+    s = engine.open_session()
+    engine.submit(s, [1, 2, 3, 4, 5], sampling=SamplingParams(1)).result()
+    r = engine.submit(s, list(range(10, 26)), sampling=SamplingParams(2))
+    _run_or_wedge(engine, r)

@@ -208,3 +208,17 @@ def test_orbax_roundtrip(tmp_path, ckpt, dtype):
 def test_orbax_missing(tmp_path):
     with pytest.raises(ll.CheckpointNotFoundError):
         restore_params(tmp_path / "nothing")
+
+
+def test_orbax_refuses_another_params_layout(tmp_path, ckpt):
+    """A save made before the k_up / v_up split (no layout field: layout 1) is refused with a
+    message saying what to do, not an orbax tree mismatch."""
+    import json
+
+    save_params(tmp_path / "saved", ll.load_model(ckpt))
+    meta_file = tmp_path / "saved" / "mla_config.json"
+    meta = json.loads(meta_file.read_text())
+    del meta["params_layout"]
+    meta_file.write_text(json.dumps(meta))
+    with pytest.raises(ll.CheckpointError, match="layout 1.*convert the Hugging Face"):
+        restore_params(tmp_path / "saved")

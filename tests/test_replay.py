@@ -63,6 +63,8 @@ def test_command_line_writes_results(setup, tmp_path):
             "--max-new",
             "2",
             "--no-warmup",
+            "--compile-cache",
+            "off",  # nothing written outside tmp_path (the cache has its own test)
             "--out",
             str(tmp_path / "out"),
             "--root",

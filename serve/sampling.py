@@ -1,0 +1,79 @@
+"""Sampling: what a turn asks for (`SamplingParams`, checked when made) and the one jitted draw
+per step (`sample`), whose key depends on (seed, step) only, so a row draws the same token
+whatever batch it is in."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["SamplingParams", "is_int", "is_real", "sample"]
+
+
+def is_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def is_real(v) -> bool:
+    return (is_int(v) or isinstance(v, (float, np.floating))) and math.isfinite(v)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How a turn generates. Checked when made: a bad field raises ValueError naming it.
+
+    max_new_tokens: int >= 1. temperature: finite, >= 0 (0: greedy). top_p: in (0, 1].
+    stop_tokens: token ids (any sequence of non-negative ints; kept as a tuple). seed: in
+    [0, 2**32): with (seed, step) it fixes a sampled row's draw, whatever batch it is in."""
+
+    max_new_tokens: int = 16
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    stop_tokens: tuple[int, ...] = ()
+    seed: int = 0
+
+    def __post_init__(self):
+        if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens!r} must be an integer >= 1")
+        if not is_real(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature!r} must be a finite number >= 0")
+        if not is_real(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p!r} must be a number in (0, 1]")
+        if not is_int(self.seed) or not 0 <= self.seed < 2**32:
+            raise ValueError(f"seed={self.seed!r} must be an integer in [0, 2**32)")
+        stops = self.stop_tokens
+        if isinstance(stops, (str, bytes)) or not isinstance(stops, (Sequence, np.ndarray)):
+            raise ValueError(f"stop_tokens={stops!r} must be a sequence of token ids")
+        if not all(is_int(t) and t >= 0 for t in stops):
+            raise ValueError(f"stop_tokens={stops!r} must hold non-negative integer token ids")
+        for name, value in (
+            ("max_new_tokens", int(self.max_new_tokens)),
+            ("temperature", float(self.temperature)),
+            ("top_p", float(self.top_p)),
+            ("seed", int(self.seed)),
+            ("stop_tokens", tuple(int(t) for t in stops)),
+        ):
+            object.__setattr__(self, name, value)
+
+
+@jax.jit
+def sample(logits, temperature, top_p, seed, step):
+    """One token per row of f32[B, V] logits: greedy where temperature == 0, else a draw from
+    the top-p nucleus of softmax(logits / temperature). The key depends on (seed, step) only, so
+    a row draws the same token whatever batch it is in."""
+
+    def row(lg, t, p, s, n):
+        key = jax.random.fold_in(jax.random.PRNGKey(s), n)
+        scaled = lg / jnp.maximum(t, 1e-6)
+        order = jnp.argsort(-scaled)
+        probs = jax.nn.softmax(scaled[order])
+        keep = (jnp.cumsum(probs) - probs) < p  # the smallest prefix with mass >= p
+        drawn = order[jax.random.categorical(key, jnp.where(keep, scaled[order], -jnp.inf))]
+        return jnp.where(t > 0, drawn, jnp.argmax(lg)).astype(jnp.int32)
+
+    return jax.vmap(row)(logits, temperature, top_p, seed, step)
