@@ -225,7 +225,7 @@ def _truncate(state: PagedKVState, seq: int, length: int) -> PagedKVState:
     pools = _zero_step(
         state.pools,
         _pad(dead, paged.bucket(max(len(dead), 1)), p),
-        _pad(tail, paged.bucket(max(len(tail), 1)), p * ps),
+        _pad(tail, ps, p * ps),  # a partial page's tail: fewer than page_size slots
     )
     return state.replace(pools=pools)
 
@@ -381,6 +381,34 @@ def apply_directive(
     return apply_directives(model, state, seq, [directive], impl=impl)
 
 
+def precompile(model: MLAModel, state: PagedKVState, *, impl: str | None = None):
+    """Compile (and run once, on padding that changes nothing) the directive steps for every
+    bucket one sequence's edit can meet: splice moves up to `max_seq_len` slots, zeroing up to a
+    sequence's pages. Returns the state and how many shapes ran."""
+    p, ps = state.num_pages, state.page_size
+    runs = 0
+    top = paged.bucket(state.max_seq_len, MIN_MOVE_BUCKET)
+    for m in (1 << i for i in range(MIN_MOVE_BUCKET.bit_length() - 1, top.bit_length())):
+        zeros = _pad([], m, 0)
+        pools = _splice_step(
+            state.pools,
+            zeros,
+            _pad([], m, p * ps),  # every destination is padding: nothing moves
+            zeros,
+            zeros,
+            jnp.asarray(_inv_freq(model.config)),
+            _phases(model.config, state.max_seq_len) if _uses_jnp(impl) else None,
+            impl=impl,
+        )
+        state = state.replace(pools=pools)
+        runs += 1
+    for k in (1 << i for i in range(paged.bucket(state.max_pages_per_seq).bit_length())):
+        pools = _zero_step(state.pools, _pad([], k, p), _pad([], ps, p * ps))
+        state = state.replace(pools=pools)
+        runs += 1
+    return state, runs
+
+
 def compile_counts() -> dict[str, int]:
     """How many shapes the splice and truncate steps have compiled (for tests and benchmarks)."""
     return {"splice": _splice_step._cache_size(), "zero": _zero_step._cache_size()}
@@ -396,4 +424,5 @@ __all__ = [
     "apply_to_list",
     "compile_counts",
     "plan_splice",
+    "precompile",
 ]

@@ -338,7 +338,8 @@ class Append:
 
 def append(state: PagedKVState, seqs, blocks) -> tuple[PagedKVState, Append]:
     """Reserve slots for `blocks[i]` (token ids) at the end of open, distinct `seqs[i]`: take the
-    lowest free pages, copy a shared partial last page (copy on write), record the token ids.
+    lowest free pages, copy a partial last page shared before the step (copy on write), record
+    the token ids.
     Returns the new state (pools untouched) and what the device step must do. Assumes the
     caller checked room (`append_pages`)."""
     ps = state.page_size
@@ -351,7 +352,9 @@ def append(state: PagedKVState, seqs, blocks) -> tuple[PagedKVState, Append]:
     for seq, block in zip(seqs, blocks, strict=True):
         n, count = int(lengths[seq]), len(block)
         col = (n - 1) // ps
-        if count and n % ps and refcount[table[seq, col]] > 1:  # copy on write
+        # copy on write, judged by the references before the step: a page shared then is never
+        # written by it, even once other rows' copies have left one sequence holding it
+        if count and n % ps and state.refcount[table[seq, col]] > 1:
             old, new = int(table[seq, col]), int(free.pop(0))
             cow_src.append(old)
             cow_dst.append(new)

@@ -36,7 +36,9 @@ from leyline_jax.kv_state import OutOfPagesError, PagedKVState, SequenceError
 from leyline_jax.model import MLAModel, absorb_queries, expand_values
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
-MIN_TOKEN_BUCKET = 16
+# Token buckets start at 1: a decode of B rows runs bucket(B) tokens, not a minimum bucket (at 16
+# a one-row decode of the bench config ran 16 tokens of matmuls and took twice as long)
+MIN_TOKEN_BUCKET = 1
 # Longer prefills run in chunks of this many tokens (bounds the [N, T, S] score buffer).
 PREFILL_CHUNK = 1024
 
@@ -68,13 +70,16 @@ def _forward_ragged(model: MLAModel, pools: kv.KVPools, tokens, positions, slots
             out = ragged_paged_attention(
                 q_lat,
                 q_pe,
-                pools.c_kv,  # every layer's pages: layer i is read in place, not sliced out
-                pools.k_pe,
+                # one layer's pages: a copy of that layer's pool per step under XLA (the cost of
+                # stacked pools; per-layer pool arrays would avoid it). Passing every layer's
+                # pools with `layer=i` instead was measured worse on CPU: the layer's writes
+                # after the attention loops made XLA copy all the pools around each loop.
+                pools.c_kv[i],
+                pools.k_pe[i],
                 *meta,
                 scale=model.config.softmax_scale,
                 kv_dtype=pools.kv_dtype,
                 k_pe_dtype=pools.k_pe_dtype,
-                layer=i,
             )
             o = expand_values(out.astype(h.dtype), w_vb)
             h = layer.feed_forward(h + attn.output(o))
@@ -193,8 +198,9 @@ def precompile(
 ) -> tuple[PagedKVState, int]:
     """Compile (and run once) the step for every shape a batch of at most `max_rows` rows of
     at most `max_row_tokens` new tokens each can take: each row bucket with each token bucket
-    it can fill. Each run is all padding (no row, every slot dropped): the pools come back
-    unchanged. Returns the state and how many shapes ran."""
+    it can fill; and the page zeroing of `release(zero=True)` up to a sequence's pages. Each
+    run is all padding (no row, every slot dropped): the pools come back unchanged. Returns the
+    state and how many shapes ran."""
     p, ps, w = state.num_pages, state.page_size, state.max_pages_per_seq
     shapes = 0
     for b in (1 << i for i in range(bucket(max_rows).bit_length())):
@@ -216,6 +222,9 @@ def precompile(
             )
             state, _ = _run(model, state, rows, graph)
             shapes += 1
+    for k in (1 << i for i in range(bucket(w).bit_length())):  # `release(zero=True)`
+        state = state.replace(pools=_zero(state.pools, jnp.asarray(np.full(k, p, np.int32))))
+        shapes += 1
     return state, shapes
 
 

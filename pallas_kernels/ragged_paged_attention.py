@@ -11,9 +11,12 @@ within the new tokens, everything before them). Slot s of row b lives at
     out[t, n]      = sum_s softmax_s(score[t, n, :]) c_kv[s]          (latent; caller applies W_vb)
 
 Pools. `c_kv` / `k_pe` are one layer's pages ([P, page_size, *]), or every layer's
-([L, P, page_size, *]) with a static `layer` naming the one to read: the pages are then read in
-place, never sliced out (under jit a slice of a layer is a copy of that layer's whole pool, which
-on CPU cost a decode step more than its attention).
+([L, P, page_size, *]) with a static `layer` naming the one to read, which is then read in place
+rather than sliced out (under jit a slice of one layer is a copy of that layer's pool). Measured
+on CPU inside the model step, where each layer writes the pools after the previous layer's
+attention, `layer=` was worse: XLA copied the whole stacked pools around the reference's loops
+(several copies per layer), so `leyline_jax.paged` slices; `layer=` is for callers whose pools
+are not written again in the same program.
 
 Rows >= num_rows and queries past `cu_q_lens[num_rows]` are padding: their outputs are 0. Rows may
 have no new queries. Pages past a row's `kv_lens` (and the unused slots of its last page) are

@@ -270,15 +270,18 @@ class Engine:
         return len(kv.free_pages(self.state)) - before
 
     def warmup(self) -> int:
-        """Compile every shape this engine's ragged step and sampling can take (row buckets up
-        to `max_seqs`, token buckets up to `prefill_chunk` tokens a row), each run once on
-        padding that writes nothing, so prefill and decode meet no compilation; the directive
-        steps (splice moves, zeroing freed pages) compile on first use, one shape per bucket.
+        """Compile every shape this engine's steps can take: the ragged step and sampling (row
+        buckets up to `max_seqs`, token buckets up to `prefill_chunk` tokens a row) and the
+        directive steps (splice moves up to `max_seq_len` slots, zeroing up to a sequence's
+        pages), each run once on padding that changes nothing, so serving compiles nothing
+        (an edit or purge larger than one sequence's pages compiles its bucket on first use).
         Returns how many shapes ran. With the persistent compilation cache on
         (`serve.compile_cache`), a later process loads them instead."""
         self.state, shapes = paged.precompile(
             self.model, self.state, self.state.max_seqs, self.prefill_chunk, graph=self.graph
         )
+        self.state, runs = dv.precompile(self.model, self.state)
+        shapes += runs
         vocab = self.model.config.vocab_size
         for b in (1 << i for i in range(paged.bucket(self.state.max_seqs).bit_length())):
             f32, seed = jnp.zeros(b, jnp.float32), jnp.zeros(b, jnp.uint32)

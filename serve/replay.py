@@ -313,11 +313,15 @@ def main(argv=None) -> list[dict]:
     warmup = "none" if args.no_warmup else args.warmup
     t0 = time.perf_counter()
     if warmup == "compile":
-        shapes = sum(
+        before = _compiled()
+        runs = sum(
             make_engine(model, work, c, max_new=args.max_new, page_size=args.page_size).warmup()
             for c in conc
         )
-        print(f"compile pass: {shapes} shapes in {time.perf_counter() - t0:.1f} s")
+        print(
+            f"compile pass: {_compiled() - before} shapes compiled ({runs} runs) in "
+            f"{time.perf_counter() - t0:.1f} s"
+        )
     elif warmup == "replay":
         for c in conc:
             for arm in arms:

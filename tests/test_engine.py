@@ -546,11 +546,16 @@ def test_turn_stats_serialise_whole(model):
 
 def test_warmup_compiles_every_shape_serving_meets(model):
     """After `warmup`, sessions of every size (a prompt longer than a chunk, decode beside
-    prefill, up to max_seqs rows, an AMORTIZE edit's fill) compile no ragged step and no
-    sampling shape. The pool size is this test's own, so no other test compiled these shapes."""
+    prefill, up to max_seqs rows, an AMORTIZE splice and its fill, a FORGET's cut and purge)
+    compile nothing: no ragged step, directive step or sampling shape. The pool size is this
+    test's own, so no other test compiled these shapes."""
     engine = make_engine(model, num_pages=77, max_seqs=4, prefill_chunk=32)
     assert engine.warmup() > 0
-    before = (paged.compile_counts()["step"], sample._cache_size())
+
+    def counts():
+        return paged.compile_counts(), dv.compile_counts(), sample._cache_size()
+
+    before = counts()
     rng = np.random.default_rng(21)
     sids = [engine.open_session() for _ in range(4)]
     for n, s in zip((100, 3, 17, 40), sids, strict=True):
@@ -558,4 +563,6 @@ def test_warmup_compiles_every_shape_serving_meets(model):
         engine.step()  # staggered arrivals: prefill chunks ride with decode rows
     engine.run_until_idle()
     engine.submit(sids[0], [1, 2], directives=[ll.Directive(5, 60, [4] * 9)]).result()
-    assert (paged.compile_counts()["step"], sample._cache_size()) == before
+    forget = ll.Directive(3, 9, (), ll.Mode.FORGET)
+    engine.submit(sids[2], [5], directives=[forget]).result()  # cut, purge, zeroing
+    assert counts() == before
