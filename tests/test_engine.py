@@ -549,7 +549,7 @@ def test_warmup_compiles_every_shape_serving_meets(model):
     prefill, up to max_seqs rows, an AMORTIZE splice and its fill, a FORGET's cut and purge)
     compile nothing: no ragged step, directive step or sampling shape. The pool size is this
     test's own, so no other test compiled these shapes."""
-    engine = make_engine(model, num_pages=77, max_seqs=4, prefill_chunk=32)
+    engine = make_engine(model, num_pages=77, max_seqs=4, max_seq_len=160, prefill_chunk=32)
     assert engine.warmup() > 0
 
     def counts():
