@@ -10,6 +10,10 @@ has no such step, so its column is empty), medians of repeated runs after a warm
 time is excluded). Beside each: the same work in transformers (fp32, eager attention, its own
 cache) and the machine floor measured in the same run: flops over the measured fp32 matmul
 rate, or bytes over the measured copy bandwidth (in place, read + write), whichever is larger.
+For decode also the time of the step's weight matmuls alone (`gemms`): each weight of the model
+times a [batch, in] activation, in its own jitted call, medians summed: what this backend's
+matrix multiplies at that batch cost before anything else runs (the floor takes the square
+n=2048 matmul rate; XLA:CPU reaches a fraction of it at 8 or 32 rows).
 """
 
 from __future__ import annotations
@@ -74,6 +78,26 @@ def decode_bytes(c: ll.MLAConfig, b: int, ctx: int, active: int, dtype_bytes: in
     """Bytes one decode step must read: every touched weight once, plus each sequence's cache."""
     cache = b * ctx * c.num_hidden_layers * (c.kv_lora_rank + c.qk_rope_head_dim) * dtype_bytes
     return active * dtype_bytes + cache
+
+
+def gemm_time(model, batch: int) -> float:
+    """Sum of the median times of every weight matrix of `model` applied to a [batch, in]
+    activation (a [batch, N, in] one for head-major [N, in, out] weights), each its own jit."""
+    c = model.config
+    total = 0.0
+    rng = np.random.default_rng(2)
+    for w in jax.tree.leaves(nnx.state(model, nnx.Param)):
+        if w.ndim < 2:
+            continue
+        if w.shape == (c.vocab_size, c.hidden_size):  # the embedding: a row per token
+            if not c.tie_word_embeddings:
+                continue
+            w = w.T  # tied: it is also the LM head
+        lead = (batch,) + w.shape[:-2] + w.shape[-2:-1]
+        x = jnp.asarray(rng.standard_normal(lead), w.dtype)
+        mm = jax.jit(lambda x, w: jnp.einsum("b...i,...io->b...o", x, w))
+        total += median_time(lambda x=x, w=w, mm=mm: mm(x, w), repeats=7)
+    return total
 
 
 def bench_ours(model, t_prefill: int, batch: int):
@@ -181,9 +205,13 @@ def bench_hf(path, t_prefill: int, batch: int, vocab: int):
     return prefill_s, decode_s
 
 
-def _row(config: str, kind: str, size: int, ours: float, theirs: float, floor: float) -> dict:
+def _row(
+    config: str, kind: str, size: int, ours: float, theirs: float, floor: float, gemms=float("nan")
+) -> dict:
     """One result row; times are seconds for `size` tokens."""
     return dict(
+        gemm_tok_s=size / gemms,
+        ours_over_gemms=ours / gemms,
         config=config,
         kind=kind,
         size=size,
@@ -231,19 +259,19 @@ def main(argv=None) -> None:
                 _, ours = bench_ours(model, 16, b)
                 _, theirs = hf(16, b)
                 floor = max(decode_bytes(c, b, CONTEXT, active) / bw, 2 * active * b / rate)
-                rows.append(_row(name, "decode", b, ours, theirs, floor))
+                rows.append(_row(name, "decode", b, ours, theirs, floor, gemm_time(model, b)))
             if "mixed" in kinds:
                 ours, ratio, size = bench_mixed(model, rate, bw, active)
                 rows.append(_row(name, "mixed", size, ours, float("nan"), ours / ratio))
     print(
         f"{'config':6s} {'kind':7s} {'size':>5s} {'ours tok/s':>11s} {'HF tok/s':>10s} "
-        f"{'floor tok/s':>12s} {'ours/HF':>8s} {'time/floor':>10s}"
+        f"{'floor tok/s':>12s} {'ours/HF':>8s} {'time/floor':>10s} {'time/gemms':>10s}"
     )
     for r in rows:
         print(
             f"{r['config']:6s} {r['kind']:7s} {r['size']:5d} {r['ours_tok_s']:11.1f} "
             f"{r['hf_tok_s']:10.1f} {r['floor_tok_s']:12.1f} {r['speedup_vs_hf']:8.2f} "
-            f"{r['ours_over_floor']:10.1f}"
+            f"{r['ours_over_floor']:10.1f} {r['ours_over_gemms']:10.2f}"
         )
     if args.out:
         with open(args.out, "w") as f:

@@ -189,16 +189,26 @@ def _pad(a: np.ndarray, size: int, fill: int) -> jnp.ndarray:
 
 @functools.partial(jax.jit, static_argnames="impl", donate_argnames="pools")
 def _splice_step(pools: kv.KVPools, src, dst, pos_from, pos_to, inv_freq, table, *, impl):
-    """Move + rotate the kept slots (i32[M] each) into their fresh pages (pure on the pools)."""
-    layers, pages, ps = pools.num_layers, pools.num_pages, pools.page_size
-    c = pools.c_kv.reshape(layers, pages * ps, -1)
-    k = pools.k_pe.reshape(layers, pages * ps, -1)
-    c, k = splice_rotate(
-        c, k, src, dst, pos_from, pos_to, inv_freq, k_dtype=pools.k_pe_dtype, table=table, impl=impl
-    )
-    return dataclasses.replace(
-        pools, c_kv=c.reshape(pools.c_kv.shape), k_pe=k.reshape(pools.k_pe.shape)
-    )
+    """Move + rotate the kept slots (i32[M] each) into their fresh pages (pure on the pools),
+    one layer's arrays at a time (each is its own buffer: moved in place)."""
+    pages, ps = pools.num_pages, pools.page_size
+    cs, ks = [], []
+    for c, k in zip(pools.c_kv, pools.k_pe, strict=True):
+        c2, k2 = splice_rotate(
+            c.reshape(1, pages * ps, -1),
+            k.reshape(1, pages * ps, -1),
+            src,
+            dst,
+            pos_from,
+            pos_to,
+            inv_freq,
+            k_dtype=pools.k_pe_dtype,
+            table=table,
+            impl=impl,
+        )
+        cs.append(c2.reshape(c.shape))
+        ks.append(k2.reshape(k.shape))
+    return dataclasses.replace(pools, c_kv=tuple(cs), k_pe=tuple(ks))
 
 
 @functools.partial(jax.jit, donate_argnames="pools")

@@ -1,7 +1,9 @@
 """The paged KV state: device pools of KV pages, and their bookkeeping on the host.
 
 Layout. Per layer, the latent `c_kv` and the rope band `k_pe` of every cached token live in pages
-of `page_size` slots, in two separate device arrays (a splice rotates `k_pe` only). Token i of
+of `page_size` slots, in two separate device arrays (a splice rotates `k_pe` only); every layer
+has its own pair, so a step reads and writes one layer's pages in place (one stacked array per
+band made XLA copy a layer's whole pool out of it for each attention call). Token i of
 sequence q lives at page `page_table[q, i // page_size]`, offset `i % page_size`. Unused
 page-table entries hold `num_pages` ("nowhere"): gathers through them read nothing that is
 used, scatters through them are dropped.
@@ -73,19 +75,25 @@ class SequenceError(ValueError):
 class KVPools:
     """The device half of the state: every layer's pages (what jitted steps take and donate)."""
 
-    c_kv: jax.Array  # [L, P, page_size, R]   latent, storage_dtype(kv_dtype)
-    k_pe: jax.Array  # [L, P, page_size, Dr]  rope band (halves layout), storage_dtype(k_pe_dtype)
+    c_kv: tuple[jax.Array, ...]  # per layer [P, page_size, R]   latent, storage_dtype(kv_dtype)
+    k_pe: tuple[jax.Array, ...]  # per layer [P, page_size, Dr]  rope band (halves layout)
     page_size: int = dataclasses.field(metadata=dict(static=True))
     kv_dtype: jnp.dtype = dataclasses.field(metadata=dict(static=True))  # what c_kv's bits mean
     k_pe_dtype: jnp.dtype = dataclasses.field(metadata=dict(static=True))
 
     @property
     def num_pages(self) -> int:
-        return self.c_kv.shape[1]
+        return self.c_kv[0].shape[0]
 
     @property
     def num_layers(self) -> int:
-        return self.c_kv.shape[0]
+        return len(self.c_kv)
+
+    def map(self, fn) -> KVPools:
+        """The pools with `fn(layer_pool)` applied to every layer's `c_kv` and `k_pe` array."""
+        return dataclasses.replace(
+            self, c_kv=tuple(fn(a) for a in self.c_kv), k_pe=tuple(fn(a) for a in self.k_pe)
+        )
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:
@@ -115,8 +123,9 @@ class PagedKVState:
                     _frozen(row)
         return dataclasses.replace(self, **changes)
 
-    c_kv = property(lambda self: self.pools.c_kv)
-    k_pe = property(lambda self: self.pools.k_pe)
+    # every layer's bands stacked, [L, P, page_size, width] storage (a copy: for inspection)
+    c_kv = property(lambda self: jnp.stack(self.pools.c_kv))
+    k_pe = property(lambda self: jnp.stack(self.pools.k_pe))
     page_size = property(lambda self: self.pools.page_size)
     kv_dtype = property(lambda self: self.pools.kv_dtype)
     k_pe_dtype = property(lambda self: self.pools.k_pe_dtype)
@@ -185,11 +194,13 @@ def init_state(
             raise ValueError(f"{name} must be a floating dtype, got {dt}")
     layers = config.num_hidden_layers
     pools = KVPools(
-        c_kv=jnp.zeros(
-            (layers, num_pages, page_size, config.kv_lora_rank), storage_dtype(kv_dtype)
+        c_kv=tuple(
+            jnp.zeros((num_pages, page_size, config.kv_lora_rank), storage_dtype(kv_dtype))
+            for _ in range(layers)
         ),
-        k_pe=jnp.zeros(
-            (layers, num_pages, page_size, config.qk_rope_head_dim), storage_dtype(k_pe_dtype)
+        k_pe=tuple(
+            jnp.zeros((num_pages, page_size, config.qk_rope_head_dim), storage_dtype(k_pe_dtype))
+            for _ in range(layers)
         ),
         page_size=page_size,
         kv_dtype=kv_dtype,
@@ -377,31 +388,19 @@ def append(state: PagedKVState, seqs, blocks) -> tuple[PagedKVState, Append]:
 # ---- device operations on the pools (traced inside jitted steps) -------------------------------
 def copy_pages(pools: KVPools, src, dst) -> KVPools:
     """Copy whole pages src[k] -> dst[k] in every layer (i32[K]; dst = P drops)."""
-    return dataclasses.replace(
-        pools,
-        c_kv=pools.c_kv.at[:, dst].set(pools.c_kv[:, src], mode="drop"),
-        k_pe=pools.k_pe.at[:, dst].set(pools.k_pe[:, src], mode="drop"),
-    )
+    return pools.map(lambda a: a.at[dst].set(a.at[src].get(mode="clip"), mode="drop"))
 
 
 def zero_pages(pools: KVPools, pages) -> KVPools:
     """Zero whole pages in every layer (i32[K]; P drops)."""
-    return dataclasses.replace(
-        pools,
-        c_kv=pools.c_kv.at[:, pages].set(0, mode="drop"),
-        k_pe=pools.k_pe.at[:, pages].set(0, mode="drop"),
-    )
+    return pools.map(lambda a: a.at[pages].set(0, mode="drop"))
 
 
 def zero_slots(pools: KVPools, slots) -> KVPools:
     """Zero single slots (i32[K] `page * page_size + offset`; P * page_size drops)."""
     ps = pools.page_size
     page, off = slots // ps, slots % ps
-    return dataclasses.replace(
-        pools,
-        c_kv=pools.c_kv.at[:, page, off].set(0, mode="drop"),
-        k_pe=pools.k_pe.at[:, page, off].set(0, mode="drop"),
-    )
+    return pools.map(lambda a: a.at[page, off].set(0, mode="drop"))
 
 
 def write_kv(
@@ -415,8 +414,9 @@ def write_kv(
     ps = pools.page_size
     page, off = slots // ps, slots % ps
 
-    def put(pool, rows, dtype):  # in place on the storage pool (see the module docstring)
-        return pool.at[layer, page, off].set(to_storage(rows, dtype), mode="drop")
+    def put(band, rows, dtype):  # in place on the storage pool (see the module docstring)
+        new = band[layer].at[page, off].set(to_storage(rows, dtype), mode="drop")
+        return band[:layer] + (new,) + band[layer + 1 :]
 
     return dataclasses.replace(
         pools,

@@ -70,11 +70,7 @@ def _forward_ragged(model: MLAModel, pools: kv.KVPools, tokens, positions, slots
             out = ragged_paged_attention(
                 q_lat,
                 q_pe,
-                # one layer's pages: a copy of that layer's pool per step under XLA (the cost of
-                # stacked pools; per-layer pool arrays would avoid it). Passing every layer's
-                # pools with `layer=i` instead was measured worse on CPU: the layer's writes
-                # after the attention loops made XLA copy all the pools around each loop.
-                pools.c_kv[i],
+                pools.c_kv[i],  # this layer's own arrays: read in place
                 pools.k_pe[i],
                 *meta,
                 scale=model.config.softmax_scale,

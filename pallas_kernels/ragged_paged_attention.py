@@ -10,13 +10,11 @@ within the new tokens, everything before them). Slot s of row b lives at
     score[t, n, s] = scale * (q_lat[t, n] . c_kv[s] + q_pe[t, n] . k_pe[s])
     out[t, n]      = sum_s softmax_s(score[t, n, :]) c_kv[s]          (latent; caller applies W_vb)
 
-Pools. `c_kv` / `k_pe` are one layer's pages ([P, page_size, *]), or every layer's
-([L, P, page_size, *]) with a static `layer` naming the one to read, which is then read in place
-rather than sliced out (under jit a slice of one layer is a copy of that layer's pool). Measured
-on CPU inside the model step, where each layer writes the pools after the previous layer's
-attention, `layer=` was worse: XLA copied the whole stacked pools around the reference's loops
-(several copies per layer), so `leyline_jax.paged` slices; `layer=` is for callers whose pools
-are not written again in the same program.
+Pools. `c_kv` / `k_pe` are one layer's pages ([P, page_size, *]); the caller
+(`leyline_jax.kv_state`) keeps one array per layer, so a layer's pages are read in place (a slice
+of stacked pools would be a copy of that layer's pool under jit). The reference reads them as
+`[page, offset]` of the array it is given, never through a reshaped view: inside a step that
+also writes the pool, a flattened view made XLA:CPU keep a second, copied pool for the loops.
 
 Rows >= num_rows and queries past `cu_q_lens[num_rows]` are padding: their outputs are 0. Rows may
 have no new queries. Pages past a row's `kv_lens` (and the unused slots of its last page) are
@@ -118,26 +116,19 @@ def validate_static(
     kv_dtype=None,
     k_pe_dtype=None,
     compiled: bool = False,
-    layer: int | None = None,
 ) -> tuple[jnp.dtype, jnp.dtype]:
     """Shapes and dtypes (cheap; runs at trace time). Returns the float types of c_kv and k_pe.
     `compiled`: also check the layout the compiled TPU kernel needs (R a multiple of 128 lanes,
-    page_size and N multiples of their dtype's sublane tile). `layer`: the pools hold every
-    layer ([L, P, page_size, *]) and this one is read."""
+    page_size and N multiples of their dtype's sublane tile)."""
     if q_lat.ndim != 3 or q_pe.ndim != 3 or q_lat.shape[:2] != q_pe.shape[:2]:
         raise ValueError(
             f"q_lat, q_pe must be [T, N, *] with equal T, N: {q_lat.shape}, {q_pe.shape}"
         )
-    lead = 3 if layer is None else 4
-    if c_kv.ndim != lead or k_pe.ndim != lead or c_kv.shape[:-1] != k_pe.shape[:-1]:
+    if c_kv.ndim != 3 or k_pe.ndim != 3 or c_kv.shape[:-1] != k_pe.shape[:-1]:
         raise ValueError(
-            f"c_kv, k_pe must be {'[P' if layer is None else '[L, P'}, page_size, *] with equal "
-            f"leading dimensions: {c_kv.shape}, {k_pe.shape}"
+            "c_kv, k_pe must be [P, page_size, *] with equal leading dimensions: "
+            f"{c_kv.shape}, {k_pe.shape}"
         )
-    if layer is not None and not (
-        isinstance(layer, int) and not isinstance(layer, bool) and 0 <= layer < c_kv.shape[0]
-    ):
-        raise ValueError(f"layer={layer!r} must be an int in [0, {c_kv.shape[0]})")
     if q_lat.shape[2] != c_kv.shape[-1]:
         raise ValueError(f"q_lat width {q_lat.shape[2]} != c_kv width {c_kv.shape[-1]} (R)")
     if q_pe.shape[2] != k_pe.shape[-1]:
@@ -190,7 +181,7 @@ def validate_dynamic(
     kv_lens, page_indices = np.asarray(kv_lens), np.asarray(page_indices)
     cu_q_lens, num_rows = np.asarray(cu_q_lens), int(np.asarray(num_rows)[0])
     t = q_lat.shape[0]
-    pages, page_size = c_kv.shape[-3:-1]  # one layer's pages (or every layer's)
+    pages, page_size = c_kv.shape[-3:-1]
     b, w = page_indices.shape
     if not 0 <= num_rows <= b:
         raise ValueError(f"num_rows {num_rows} must be in [0, {b}]")
@@ -223,8 +214,8 @@ def _tile_pass(
     out,  # f32[T, N, R]
     q_lat,  # [T, N, R]
     q_pe,  # [T, N, Dr]
-    c_kv,  # [(L,) P, page_size, R]
-    k_pe,  # [(L,) P, page_size, Dr]
+    c_kv,  # [P, page_size, R]
+    k_pe,  # [P, page_size, Dr]
     kv_lens,  # i32[B]
     page_indices,  # i32[B, W]
     cu_q_lens,  # i32[B + 1]
@@ -236,7 +227,6 @@ def _tile_pass(
     kv_type,
     k_pe_type,
     block_pages: int,
-    layer: int | None,
 ):  # -> f32[T, N, R]
     """Attend every tile of `size` queries (row b's `count[b]` tiles start at token `first[b]`
     and follow each other) and write those tiles' tokens into `out`."""
@@ -245,10 +235,6 @@ def _tile_pass(
     slots = block_pages * page_size  # per kv block
     ends = jnp.cumsum(count)  # i32[B]: items of rows <= b
     offs = jnp.arange(size, dtype=jnp.int32)
-    c_flat = c_kv.reshape(-1, r)  # [(L *) P * page_size, R]: a view, never a copy
-    k_flat = k_pe.reshape(-1, k_pe.shape[-1])  # [(L *) P * page_size, Dr]
-    base = (layer or 0) * pages * page_size  # the layer's first slot in the flat view
-    nowhere = c_flat.shape[0]  # out of range: gathers fill 0
 
     def item(i, out):
         b = jnp.sum(ends <= i).astype(jnp.int32)  # the row of item i
@@ -267,9 +253,11 @@ def _tile_pass(
             slot = j * slots + jnp.arange(slots)
             # slots no query of the tile can see get an out-of-range index: filled, never read
             page = row_pages.at[slot // page_size].get(mode="fill", fill_value=pages)
-            idx = jnp.where(slot < seen, base + page * page_size + slot % page_size, nowhere)
-            c = c_flat.at[idx].get(mode="fill", fill_value=0)  # [slots, R]
-            k = k_flat.at[idx].get(mode="fill", fill_value=0)  # [slots, Dr]
+            page = jnp.where(slot < seen, page, pages)
+            # read as [page, offset] of the pools as they are: a flattened view of a pool that
+            # the step also writes made XLA:CPU copy the pool (twice) around these loops
+            c = c_kv.at[page, slot % page_size].get(mode="fill", fill_value=0)  # [slots, R]
+            k = k_pe.at[page, slot % page_size].get(mode="fill", fill_value=0)  # [slots, Dr]
             c = _from_storage(c, kv_type).astype(_F32)
             k = _from_storage(k, k_pe_type).astype(_F32)
             s = jnp.einsum("qnr,sr->qns", ql, c, precision=_HIGHEST)
@@ -298,7 +286,7 @@ def _tile_pass(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "kv_dtype", "k_pe_dtype", "q_tiles", "block_kv", "layer"),
+    static_argnames=("scale", "kv_dtype", "k_pe_dtype", "q_tiles", "block_kv"),
 )
 def ref_ragged_paged_attention(
     q_lat,  # [T, N, R]
@@ -315,7 +303,6 @@ def ref_ragged_paged_attention(
     k_pe_dtype=None,
     q_tiles: tuple[int, ...] = DEFAULT_Q_TILES,
     block_kv: int = DEFAULT_BLOCK_KV,
-    layer: int | None = None,
 ) -> jax.Array:  # f32[T, N, R]
     """Plain jnp, for CPU and GPU (see the module docstring for the contract).
 
@@ -325,7 +312,7 @@ def ref_ragged_paged_attention(
     block, rounded down to whole pages (at least one page)."""
     meta = (kv_lens, page_indices, cu_q_lens, num_rows)
     kv_type, k_pe_type = validate_static(
-        q_lat, q_pe, c_kv, k_pe, *meta, kv_dtype=kv_dtype, k_pe_dtype=k_pe_dtype, layer=layer
+        q_lat, q_pe, c_kv, k_pe, *meta, kv_dtype=kv_dtype, k_pe_dtype=k_pe_dtype
     )
     if not q_tiles or any(s <= 0 for s in q_tiles) or list(q_tiles) != sorted(q_tiles)[::-1]:
         raise ValueError(f"q_tiles must be positive sizes, largest first: {q_tiles}")
@@ -360,7 +347,6 @@ def ref_ragged_paged_attention(
                 kv_type=kv_type,
                 k_pe_type=k_pe_type,
                 block_pages=block_pages,
-                layer=layer,
             )
             first, left = first + count * size, left - count * size
     return out
@@ -377,8 +363,8 @@ def _kernel(
     # inputs
     q_lat_ref,  # [block_q, N, R] (VMEM block)
     q_pe_ref,  # [block_q, N, Dr] (VMEM block)
-    c_kv_hbm,  # [(L,) P, page_size, R] (HBM)
-    k_pe_hbm,  # [(L,) P, page_size, Dr] (HBM)
+    c_kv_hbm,  # [P, page_size, R] (HBM)
+    k_pe_hbm,  # [P, page_size, Dr] (HBM)
     # output
     o_ref,  # f32[block_q, N, R] (VMEM block)
     # scratch
@@ -392,11 +378,8 @@ def _kernel(
     scale: float,
     kv_type,
     k_pe_type,
-    layer: int | None,
 ):
     block_q, n, r = q_lat_ref.shape
-    c_pages = c_kv_hbm if layer is None else c_kv_hbm.at[layer]  # one layer's pages, in place
-    k_pages = k_pe_hbm if layer is None else k_pe_hbm.at[layer]
     _, block_pages, page_size, _ = c_buf.shape
     slots = block_pages * page_size
     width = page_indices_ref.shape[1]
@@ -434,8 +417,8 @@ def _kernel(
             for k in range(block_pages):
                 pg = j * block_pages + k
                 page = page_indices_ref[b, jnp.minimum(pg, width - 1)]
-                c_copy = pltpu.make_async_copy(c_pages.at[page], c_buf.at[buf, k], sems.at[buf, 0])
-                k_copy = pltpu.make_async_copy(k_pages.at[page], k_buf.at[buf, k], sems.at[buf, 1])
+                c_copy = pltpu.make_async_copy(c_kv_hbm.at[page], c_buf.at[buf, k], sems.at[buf, 0])
+                k_copy = pltpu.make_async_copy(k_pe_hbm.at[page], k_buf.at[buf, k], sems.at[buf, 1])
                 out.append((pg < n_pages, c_copy, k_copy))
             return out
 
@@ -512,7 +495,6 @@ def _kernel(
         "block_q",
         "block_kv",
         "interpret",
-        "layer",
     ),
 )
 def ragged_paged_attention_kernel(
@@ -531,7 +513,6 @@ def ragged_paged_attention_kernel(
     block_q: int = DEFAULT_BLOCK_Q,
     block_kv: int = DEFAULT_BLOCK_KV,
     interpret=False,
-    layer: int | None = None,
 ) -> jax.Array:  # f32[T, N, R]
     """The Pallas TPU kernel; same contract as `ref_ragged_paged_attention`. `block_q`: query
     tokens per grid step (T is padded up to a multiple); `block_kv`: slots per DMA'd kv block,
@@ -547,7 +528,6 @@ def ragged_paged_attention_kernel(
         kv_dtype=kv_dtype,
         k_pe_dtype=k_pe_dtype,
         compiled=interpret is False,
-        layer=layer,
     )
     if block_q <= 0 or block_kv <= 0:
         raise ValueError(f"block_q {block_q} and block_kv {block_kv} must be positive")
@@ -588,7 +568,7 @@ def ragged_paged_attention_kernel(
         ],
     )
     out = pl.pallas_call(
-        functools.partial(_kernel, scale=scale, kv_type=kv_type, k_pe_type=k_pe_type, layer=layer),
+        functools.partial(_kernel, scale=scale, kv_type=kv_type, k_pe_type=k_pe_type),
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct((blocks * block_q, n, r), _F32),
         # each block owns its queries' state: blocks are independent
@@ -603,8 +583,8 @@ def ragged_paged_attention_kernel(
 def ragged_paged_attention(
     q_lat,  # [T, N, R]: queries multiplied into the latent space (q_nope @ W_kb per head)
     q_pe,  # [T, N, Dr]: rope part of the queries, position embedded
-    c_kv,  # [(L,) P, page_size, R]: latent pages, storage dtype (every layer's: name `layer`)
-    k_pe,  # [(L,) P, page_size, Dr]: rope-band pages, storage dtype
+    c_kv,  # [P, page_size, R]: latent pages, storage dtype
+    k_pe,  # [P, page_size, Dr]: rope-band pages, storage dtype
     kv_lens,  # i32[B]: tokens in each row's sequence, this step's included
     page_indices,  # i32[B, W]: each row's page-table row
     cu_q_lens,  # i32[B + 1]: row b's queries are q[cu_q_lens[b] : cu_q_lens[b + 1]]
@@ -617,7 +597,6 @@ def ragged_paged_attention(
     q_tiles: tuple[int, ...] = DEFAULT_Q_TILES,
     block_q: int = DEFAULT_BLOCK_Q,
     block_kv: int = DEFAULT_BLOCK_KV,
-    layer: int | None = None,
 ) -> jax.Array:  # f32[T, N, R]: in the latent space (the caller applies W_vb)
     """Ragged paged MLA attention with the implementation for this backend (contract in the
     module docstring).
@@ -626,8 +605,7 @@ def ragged_paged_attention(
     "interpret" (kernel under Pallas' generic interpreter), "tpu_interpret" (kernel under the
     TPU-semantics interpreter). `kv_dtype` / `k_pe_dtype`: the float type a band's stored values
     mean (default: its own dtype; required for raw bits). `q_tiles` tunes the jnp path, `block_q`
-    the kernel, `block_kv` both. `layer`: the pools are every layer's ([L, P, page_size, *]) and
-    this layer is read in place. Concrete metadata is validated here (`validate_dynamic`); under
+    the kernel, `block_kv` both. Concrete metadata is validated here (`validate_dynamic`); under
     the caller's jit that is the caller's job.
     """
     if impl is None:
@@ -642,10 +620,10 @@ def ragged_paged_attention(
         raise ValueError(f"unknown impl {impl!r}: None, jnp, pallas, interpret, tpu_interpret")
     meta = (kv_lens, page_indices, cu_q_lens, num_rows)
     args = (q_lat, q_pe, c_kv, k_pe, *meta)
-    validate_static(*args, kv_dtype=kv_dtype, k_pe_dtype=k_pe_dtype, layer=layer)  # first
+    validate_static(*args, kv_dtype=kv_dtype, k_pe_dtype=k_pe_dtype)  # first
     if not any(isinstance(a, jax.core.Tracer) for a in meta):
         validate_dynamic(q_lat, c_kv, *meta)
-    kw = dict(scale=scale, kv_dtype=kv_dtype, k_pe_dtype=k_pe_dtype, block_kv=block_kv, layer=layer)
+    kw = dict(scale=scale, kv_dtype=kv_dtype, k_pe_dtype=k_pe_dtype, block_kv=block_kv)
     if impl == "jnp":
         return ref_ragged_paged_attention(*args, q_tiles=q_tiles, **kw)
     return ragged_paged_attention_kernel(*args, block_q=block_q, interpret=modes[impl], **kw)

@@ -29,11 +29,12 @@ time. Writes DIR/results.json (one row per arm and concurrency), DIR/results.md,
 Models whose vocabulary is smaller than the tokenizer's (the embedded tiny default: 256) see
 token ids mapped by `id % vocab_size`; token counts are the real tokenizer's either way. Before
 the timed runs an untimed compile pass compiles every shape the ragged step and sampling can
-take at each concurrency (`Engine.warmup`; `--warmup replay` replays everything untimed
+take (`Engine.warmup`, once: every concurrency runs on an engine of one size, made for the
+largest, so all share one set of shapes; `--warmup replay` replays everything untimed
 instead, `--warmup none` / `--no-warmup` skips it; compiled programs are kept on disk for later
 runs: `--compile-cache`), so latencies are serving times, not compile times: `compiles` in each
-row counts the jitted shapes its timed run still had to compile (after the compile pass: the
-directive steps' shapes, which compile on first use, on whichever arm meets them first).
+row counts the jitted shapes its timed run still had to compile (0 when the compile pass
+covered every shape the run met).
 """
 
 from __future__ import annotations
@@ -104,26 +105,39 @@ def _pct(values, q):
     return float(np.percentile(np.asarray(values), q)) if values else 0.0
 
 
-def make_engine(model, work, concurrency: int, *, max_new: int, page_size: int) -> Engine:
-    """The engine a replay of `work` at `concurrency` runs on: a pool large enough that nothing
-    is evicted, sequences as long as the longest prompt plus its output."""
+def make_engine(model, work, slots: int, *, max_new: int, page_size: int) -> Engine:
+    """The engine a replay of `work` runs on, for up to `slots` sessions at once: a pool large
+    enough that nothing is evicted, sequences as long as the longest prompt plus its output.
+    The harness sizes one engine for its largest concurrency and uses that size at every
+    concurrency, so every run shares one set of compiled shapes (the pools' sizes are part of
+    a step's shape)."""
     longest = max(len(s) for steps in work for s in steps) + max_new + page_size
     max_seq = -(-longest // page_size) * page_size
     per_seq = max_seq // page_size
     return Engine(
         model,
-        num_pages=(concurrency + 2) * per_seq * 2,
+        num_pages=(slots + 2) * per_seq * 2,
         page_size=page_size,
-        max_seqs=concurrency,
+        max_seqs=slots,
         max_seq_len=max_seq,
     )
 
 
 def run_arm(
-    model, work, arm: str, concurrency: int, *, max_new: int, page_size: int, progress: bool = False
+    model,
+    work,
+    arm: str,
+    concurrency: int,
+    *,
+    max_new: int,
+    page_size: int,
+    slots: int | None = None,
+    progress: bool = False,
 ) -> tuple[dict, list[dict]]:
-    """Replay `work` (per trace, per step: prompt tokens) in one arm; (summary row, per step)."""
-    engine = make_engine(model, work, concurrency, max_new=max_new, page_size=page_size)
+    """Replay `work` (per trace, per step: prompt tokens) in one arm, `concurrency` sessions at
+    a time, on an engine made for `slots` (default: `concurrency`); (summary row, per step)."""
+    slots = concurrency if slots is None else slots
+    engine = make_engine(model, work, slots, max_new=max_new, page_size=page_size)
     sampling = SamplingParams(max_new_tokens=max_new)
     pending = list(range(len(work)))
     live: dict[int, list] = {}  # trace -> [step index, session id, request]
@@ -311,13 +325,13 @@ def main(argv=None) -> list[dict]:
     policy = f"{args.policy}(keep={args.keep})" if args.policy else "none"
     print(f"{len(work)} traces, {sum(len(w) for w in work)} steps, model {path}, policy {policy}")
     warmup = "none" if args.no_warmup else args.warmup
+    size = dict(slots=max(conc), max_new=args.max_new, page_size=args.page_size)
     t0 = time.perf_counter()
     if warmup == "compile":
         before = _compiled()
-        runs = sum(
-            make_engine(model, work, c, max_new=args.max_new, page_size=args.page_size).warmup()
-            for c in conc
-        )
+        engine = make_engine(model, work, max(conc), max_new=args.max_new, page_size=args.page_size)
+        runs = engine.warmup()
+        del engine
         print(
             f"compile pass: {_compiled() - before} shapes compiled ({runs} runs) in "
             f"{time.perf_counter() - t0:.1f} s"
@@ -325,14 +339,12 @@ def main(argv=None) -> list[dict]:
     elif warmup == "replay":
         for c in conc:
             for arm in arms:
-                run_arm(model, work, arm, c, max_new=args.max_new, page_size=args.page_size)
+                run_arm(model, work, arm, c, **size)
         print(f"warm-up pass (the same replay, untimed): {time.perf_counter() - t0:.1f} s")
     rows = []
     for c in conc:
         for arm in arms:
-            row, _ = run_arm(
-                model, work, arm, c, max_new=args.max_new, page_size=args.page_size, progress=True
-            )
+            row, _ = run_arm(model, work, arm, c, progress=True, **size)
             row["policy"] = policy
             rows.append({k: row[k] for k in KEYS})
             print(

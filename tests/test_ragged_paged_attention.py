@@ -270,35 +270,6 @@ class RaggedPagedAttentionRefTest:
         np.testing.assert_array_equal(got, typed)
         check(got, dense_attention(batch, 0.5), batch.padding)  # the oracle decodes bf16 exactly
 
-    def test_one_layer_of_stacked_pools(self):
-        """Pools of every layer ([L, P, page, *]) with `layer` read that layer in place: the
-        same output as its pages alone, bit for bit; the other layers hold other values, and
-        reading one of them (a deliberately wrong `layer`) is shown to fail the comparison."""
-        rng = np.random.default_rng(5)
-        batch = make_batch(rng, MIX, page_size=4, pad_tokens=2)
-        alone = self.run(batch, 0.6)
-
-        def other(a):  # finite values everywhere, other than the batch's
-            return rng.standard_normal(a.shape).astype(a.dtype)
-
-        c3 = np.stack([other(batch.c_kv), batch.c_kv, other(batch.c_kv)])
-        k3 = np.stack([other(batch.k_pe), batch.k_pe, other(batch.k_pe)])
-
-        def run(layer):
-            args = batch.args(c_kv=c3, k_pe=k3)
-            return np.asarray(
-                ragged_paged_attention(*args, scale=0.6, impl=self.IMPL, layer=layer, **self.KNOBS)
-            )
-
-        np.testing.assert_array_equal(run(1), alone)
-        for wrong in (0, 2):
-            with pytest.raises(AssertionError):
-                check(run(wrong), np.asarray(alone, np.float64), batch.padding)
-        with pytest.raises(ValueError, match="layer"):
-            run(3)
-        with pytest.raises(ValueError, match="leading dimensions"):
-            ragged_paged_attention(*batch.args(c_kv=c3, k_pe=k3), scale=0.6, impl=self.IMPL)
-
 
 class RaggedPagedAttentionKernelTest(RaggedPagedAttentionRefTest):
     IMPL = "pallas"
