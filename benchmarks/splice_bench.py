@@ -7,7 +7,8 @@ Bench config (DeepSeek-V2-Lite attention shapes, 2 layers; `benchmarks.common`),
 default cache dtypes (bf16 `c_kv`, fp32 `k_pe`), page size 16. Sequence: a 1024-token prefix,
 a 64-token span, then D downstream tokens. The directive replaces the span by a 16-token stub.
 
-- `splice`: the fused move+rotate pass alone (`splice_rotate` over the plan's slots), jitted.
+- `splice`: the fused move+rotate pass alone (the directive's jitted splice step: `splice_rotate`
+  over the plan's slots in each layer's pool).
 - `amortize`: `apply_directive(..., AMORTIZE)` end to end: host planning, the splice, and the
   stub's prefill.
 - `forget`: re-prefilling stub + downstream after the prefix, which is what FORGET (and a prefix
@@ -23,7 +24,6 @@ not change the cost of moving it); the prefix and stub go through the model. Med
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import statistics
@@ -37,9 +37,10 @@ import numpy as np
 import leyline_jax as ll
 from benchmarks.common import BENCH_HF_CONFIG, measure_copy_bandwidth, median_time
 from checkpoints.tiny import write_random_checkpoint
+from leyline_jax import directives as dv
 from leyline_jax import kv_state as kv
 from leyline_jax.model import _inv_freq
-from pallas_kernels.splice_rotate import phase_table, splice_rotate
+from pallas_kernels.splice_rotate import phase_table
 
 PREFIX, SPAN, STUB, PAGE = 1024, 64, 16, 16
 
@@ -94,9 +95,6 @@ def time_splice_only(model, downstream: int, repeats: int) -> float:
     """The move+rotate pass alone over the same slot counts (fresh pages after the old ones)."""
     c = model.config
     state = build(model, downstream)
-    layers, pages = state.num_layers, state.num_pages
-    cc = state.c_kv.reshape(layers, pages * PAGE, -1)
-    kk = state.k_pe.reshape(layers, pages * PAGE, -1)
     first = (PREFIX // PAGE) * PAGE
     old = np.asarray(state.page_table)[0]
     i = np.concatenate(
@@ -109,16 +107,14 @@ def time_splice_only(model, downstream: int, repeats: int) -> float:
     dst = jnp.asarray(row[j // PAGE] * PAGE + j % PAGE, jnp.int32)
     inv = jnp.asarray(_inv_freq(c))
     table = phase_table(inv, state.max_seq_len)  # what apply_directive looks rotations up in
-    step = jax.jit(
-        functools.partial(splice_rotate, impl="jnp", k_dtype=state.k_pe_dtype),
-        donate_argnums=(0, 1),
-    )
-    box = {"c": cc, "k": kk}
+    box = {"pools": state.pools}
     pos_from, pos_to = jnp.asarray(i, jnp.int32), jnp.asarray(j, jnp.int32)
 
-    def run():
-        box["c"], box["k"] = step(box["c"], box["k"], src, dst, pos_from, pos_to, inv, table=table)
-        return box["k"]
+    def run():  # the step apply_directive runs: `splice_rotate` on each layer's pool, donated
+        box["pools"] = dv._splice_step(
+            box["pools"], src, dst, pos_from, pos_to, inv, table, impl="jnp"
+        )
+        return box["pools"].k_pe[-1]
 
     return median_time(run, repeats=repeats)
 

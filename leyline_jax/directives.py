@@ -4,7 +4,8 @@ A directive `(start, end, replacement, mode)` is in token coordinates of the seq
 now; a batch of directives is atomic, non-overlapping, all in pre-batch coordinates. Semantics are
 DESIGN.md §2. Planning runs on the host (validate, pick fresh pages, compute every moved slot's
 source, destination and old/new position); applying runs on device under jit (one fused
-move+rotate pass through `pallas_kernels.splice_rotate`, then the replacements' prefill).
+move+rotate pass per layer's pool through `pallas_kernels.splice_rotate`, then the
+replacements' prefill).
 
 The splice machinery sees "a band that moves" (`c_kv`) and "a band that moves and rotates"
 (`k_pe`, halves layout), not MLA names, so another attention family can reuse it.

@@ -387,7 +387,8 @@ def append(state: PagedKVState, seqs, blocks) -> tuple[PagedKVState, Append]:
 
 # ---- device operations on the pools (traced inside jitted steps) -------------------------------
 def copy_pages(pools: KVPools, src, dst) -> KVPools:
-    """Copy whole pages src[k] -> dst[k] in every layer (i32[K]; dst = P drops)."""
+    """Copy whole pages src[k] -> dst[k] in every layer (i32[K]; dst = P drops; padding pairs
+    are (P, P): a source out of range is clipped, read and dropped with its destination)."""
     return pools.map(lambda a: a.at[dst].set(a.at[src].get(mode="clip"), mode="drop"))
 
 

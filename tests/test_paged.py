@@ -284,9 +284,16 @@ def test_bookkeeping_needs_no_device(np_ckpt):
         ll.decode(model, state, [0], [1])
 
 
-def _step_temp_bytes(model, num_pages: int, tokens: int) -> int:
-    """Temporary bytes of the compiled ragged step for one row of `tokens` new tokens on a pool of
-    `num_pages` pages (XLA's own accounting of the program: no timing)."""
+def _unaliased_bytes(compiled) -> tuple[int, int]:
+    """XLA's own accounting of a compiled program (no timing): temporary bytes, and output bytes
+    not written in place over a donated input."""
+    m = compiled.memory_analysis()
+    return m.temp_size_in_bytes, m.output_size_in_bytes - m.alias_size_in_bytes
+
+
+def _step_bytes(model, num_pages: int, tokens: int) -> tuple[int, int]:
+    """`_unaliased_bytes` of the ragged step for one row of `tokens` new tokens on a pool of
+    `num_pages` pages."""
     state = ll.init_state(model.config, num_pages=num_pages, page_size=16, max_seqs=2)
     block = np.ones(tokens, np.int32)
     state, plan = kv.append(kv.open_seq(state, 0), [0], [block])
@@ -294,25 +301,45 @@ def _step_temp_bytes(model, num_pages: int, tokens: int) -> int:
     meta = tuple(rows[k] for k in ("kv_lens", "page_indices", "cu_q_lens", "num_rows"))
     args = [rows[k] for k in ("cow_src", "cow_dst", "tokens", "positions", "slots")]
     graph = nnx.split(model)
-    compiled = paged._step.lower(*graph, state.pools, *args, meta, rows["last"]).compile()
-    return compiled.memory_analysis().temp_size_in_bytes
+    return _unaliased_bytes(
+        paged._step.lower(*graph, state.pools, *args, meta, rows["last"]).compile()
+    )
+
+
+def _splice_bytes(model, num_pages: int) -> tuple[int, int]:
+    """`_unaliased_bytes` of the splice step (move + rotate of 64 slots) on `num_pages` pages."""
+    from leyline_jax import directives as dv
+    from leyline_jax.model import _inv_freq
+
+    state = ll.init_state(model.config, num_pages=num_pages, page_size=16, max_seqs=2)
+    idx = jnp.arange(64, dtype=jnp.int32)
+    inv = jnp.asarray(_inv_freq(model.config))
+    table = dv._phases(model.config, 256)
+    lowered = dv._splice_step.lower(state.pools, idx, idx + 64, idx, idx + 1, inv, table, impl=None)
+    return _unaliased_bytes(lowered.compile())
 
 
 @pytest.mark.parametrize("tokens", [1, 40])  # a decode row; a prefill chunk
 def test_a_step_never_copies_a_pool(np_ckpt, monkeypatch, tokens):
-    """Every layer's pages are their own arrays, written and read in place: the step's temporary
-        memory is the same for a pool of 64 pages as for 4096 (when attention sliced one layer out of
-        stacked pools, or read a flattened view of a pool the step writes, XLA kept a copy of a
-        layer's pool and the step's cost grew with the pool). The same measure on a step whose
-        attention is handed a copy of its layer's pages grows with the pool: it can fail. (The
-    flattened view showed only in the decode row's program, 2.4 MB against 38 MB.)"""
+    """Every layer's pages are their own arrays, written and read in place: the ragged step's and
+    the splice step's temporary memory and unaliased outputs are the same for a pool of 64 pages
+    as for 4096 (when attention sliced one layer out of stacked pools, or read a flattened view
+    of a pool the step writes, XLA kept a copy of a layer's pool and the step's cost grew with
+    the pool; the flattened view showed only in the decode row's program, 2.4 MB against 38 MB).
+    The same measure on a step whose attention is handed a copy of its layer's pages grows with
+    the pool: it can fail."""
     model = ll.load_model(np_ckpt("deepseek_v3"))
-    assert _step_temp_bytes(model, 64, tokens) == _step_temp_bytes(model, 4096, tokens)
+    assert _step_bytes(model, 64, tokens) == _step_bytes(model, 4096, tokens)
+    assert _splice_bytes(model, 64) == _splice_bytes(model, 4096)
     attend = paged.ragged_paged_attention
 
     def on_a_copy(q_lat, q_pe, c_kv, k_pe, *meta, **kw):
         return attend(q_lat, q_pe, jnp.flip(c_kv, 0), k_pe, *meta, **kw)
 
+    paged._step.clear_cache()  # no trace of the real attention may serve the patched lowering
     monkeypatch.setattr(paged, "ragged_paged_attention", on_a_copy)
-    small, big = _step_temp_bytes(model, 65, tokens), _step_temp_bytes(model, 4097, tokens)
+    try:
+        (small, _), (big, _) = _step_bytes(model, 64, tokens), _step_bytes(model, 4096, tokens)
+    finally:
+        paged._step.clear_cache()  # nor the patched trace any later call
     assert big - small >= 4000 * 16 * model.config.kv_lora_rank * 2  # a bf16 layer pool, at least

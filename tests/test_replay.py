@@ -62,7 +62,8 @@ def test_command_line_writes_results(setup, tmp_path):
             "2",
             "--max-new",
             "2",
-            "--no-warmup",
+            "--warmup",
+            "compile",
             "--compile-cache",
             "off",  # nothing written outside tmp_path (the cache has its own test)
             "--out",
@@ -73,6 +74,9 @@ def test_command_line_writes_results(setup, tmp_path):
     )
     saved = json.loads((tmp_path / "out" / "results.json").read_text())
     assert saved == rows and len(rows) == 4
+    # one engine size for every concurrency: the compile pass covered every shape both runs met
+    # (with an engine sized per concurrency, C = 1 met shapes of its own)
+    assert [r["compiles"] for r in rows] == [0, 0, 0, 0]
     for r in rows:
         assert set(r) >= {
             "arm",
