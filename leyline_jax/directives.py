@@ -27,6 +27,7 @@ from leyline_jax import kv_state as kv
 from leyline_jax import paged
 from leyline_jax.kv_state import OutOfPagesError, PagedKVState, SequenceError
 from leyline_jax.model import MLAModel, _inv_freq
+from pallas_kernels.dispatch import resolve
 from pallas_kernels.splice_rotate import phase_table, splice_rotate
 
 MIN_MOVE_BUCKET = 16
@@ -242,7 +243,7 @@ def _truncate(state: PagedKVState, seq: int, length: int) -> PagedKVState:
 
 
 def _uses_jnp(impl) -> bool:
-    return impl == "jnp" or (impl is None and jax.default_backend() != "tpu")
+    return resolve(impl)[0] == "jnp"
 
 
 @functools.lru_cache(maxsize=8)

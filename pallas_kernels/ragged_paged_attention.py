@@ -67,6 +67,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.dispatch import resolve
+
 __all__ = [
     "DEFAULT_BLOCK_KV",
     "DEFAULT_BLOCK_Q",
@@ -608,16 +610,7 @@ def ragged_paged_attention(
     the kernel, `block_kv` both. Concrete metadata is validated here (`validate_dynamic`); under
     the caller's jit that is the caller's job.
     """
-    if impl is None:
-        impl = "pallas" if jax.default_backend() == "tpu" else "jnp"
-    modes = {
-        "jnp": None,
-        "pallas": False,
-        "interpret": True,
-        "tpu_interpret": pltpu.InterpretParams(),
-    }
-    if impl not in modes:
-        raise ValueError(f"unknown impl {impl!r}: None, jnp, pallas, interpret, tpu_interpret")
+    impl, interpret = resolve(impl)
     meta = (kv_lens, page_indices, cu_q_lens, num_rows)
     args = (q_lat, q_pe, c_kv, k_pe, *meta)
     validate_static(*args, kv_dtype=kv_dtype, k_pe_dtype=k_pe_dtype)  # first
@@ -626,4 +619,4 @@ def ragged_paged_attention(
     kw = dict(scale=scale, kv_dtype=kv_dtype, k_pe_dtype=k_pe_dtype, block_kv=block_kv)
     if impl == "jnp":
         return ref_ragged_paged_attention(*args, q_tiles=q_tiles, **kw)
-    return ragged_paged_attention_kernel(*args, block_q=block_q, interpret=modes[impl], **kw)
+    return ragged_paged_attention_kernel(*args, block_q=block_q, interpret=interpret, **kw)

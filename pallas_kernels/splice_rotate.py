@@ -36,6 +36,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.dispatch import resolve
+
 DEFAULT_BLOCK = 8  # moves per kernel grid step
 REF_BLOCK = 1024  # moves per loop step of the jnp path
 
@@ -291,16 +293,7 @@ def splice_rotate(
     TPU-semantics interpreter, which executes the in-place aliasing as hardware would).
     `k_dtype`: see `splice_rotate_ref`; `table`: a `phase_table`, used by the jnp path.
     """
-    if impl is None:
-        impl = "pallas" if jax.default_backend() == "tpu" else "jnp"
-    modes = {
-        "jnp": None,
-        "pallas": False,
-        "interpret": True,
-        "tpu_interpret": pltpu.InterpretParams(),
-    }
-    if impl not in modes:
-        raise ValueError(f"unknown impl {impl!r}: None, jnp, pallas, interpret, tpu_interpret")
+    impl, interpret = resolve(impl)
     if not isinstance(src, jax.core.Tracer) and not isinstance(dst, jax.core.Tracer):
         validate_dynamic(c, src, dst)  # concrete indices: check here (under jit the caller does)
     if impl == "jnp":
@@ -309,5 +302,5 @@ def splice_rotate(
             c, k, src, dst, pos_from, pos_to, inv_freq, k_dtype=k_dtype, table=table
         )
     return splice_rotate_kernel(
-        c, k, src, dst, pos_from, pos_to, inv_freq, k_dtype=k_dtype, interpret=modes[impl]
+        c, k, src, dst, pos_from, pos_to, inv_freq, k_dtype=k_dtype, interpret=interpret
     )
