@@ -253,6 +253,13 @@ def _phases(config, length: int) -> jax.Array:
     return jax.jit(phase_table, static_argnums=1)(jnp.asarray(_inv_freq(config)), length)
 
 
+def _rotation(model, state: PagedKVState, impl) -> tuple:
+    """The splice step's rotation inputs: the model's inverse frequencies and, for the jnp path,
+    the phase table it looks rotations up in."""
+    table = _phases(model.config, state.max_seq_len) if _uses_jnp(impl) else None
+    return jnp.asarray(_inv_freq(model.config)), table
+
+
 def _splice(model, state, seq, tokens, directives, impl):
     """Apply a validated AMORTIZE batch (pages already checked by the caller's plan)."""
     plan = plan_splice(
@@ -271,8 +278,7 @@ def _splice(model, state, seq, tokens, directives, impl):
         _pad(plan.dst, m, slots),
         _pad(plan.pos_from, m, 0),
         _pad(plan.pos_to, m, 0),
-        jnp.asarray(_inv_freq(model.config)),
-        _phases(model.config, state.max_seq_len) if _uses_jnp(impl) else None,
+        *_rotation(model, state, impl),
         impl=impl,
     )
     state = kv.retain_pages(state.replace(pools=pools), plan.fresh)
@@ -408,8 +414,7 @@ def precompile(model: MLAModel, state: PagedKVState, *, impl: str | None = None)
             _pad([], m, p * ps),  # every destination is padding: nothing moves
             zeros,
             zeros,
-            jnp.asarray(_inv_freq(model.config)),
-            _phases(model.config, state.max_seq_len) if _uses_jnp(impl) else None,
+            *_rotation(model, state, impl),
             impl=impl,
         )
         state = state.replace(pools=pools)

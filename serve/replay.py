@@ -329,9 +329,7 @@ def main(argv=None) -> list[dict]:
     t0 = time.perf_counter()
     if warmup == "compile":
         before = _compiled()
-        engine = make_engine(model, work, max(conc), max_new=args.max_new, page_size=args.page_size)
-        runs = engine.warmup()
-        del engine
+        runs = make_engine(model, work, **size).warmup()
         print(
             f"compile pass: {_compiled() - before} shapes compiled ({runs} runs) in "
             f"{time.perf_counter() - t0:.1f} s"
