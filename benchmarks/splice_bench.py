@@ -50,8 +50,8 @@ def _random_kv(pools, slots, key):
     """Write random KV at `slots` (i32[n]) in every layer (no model)."""
     for layer in range(pools.num_layers):
         k1, k2, key = jax.random.split(key, 3)
-        c = jax.random.normal(k1, (*slots.shape, pools.c_kv[0].shape[-1]))
-        k = jax.random.normal(k2, (*slots.shape, pools.k_pe[0].shape[-1]))
+        c = jax.random.normal(k1, (*slots.shape, pools.moved[0].shape[-1]))
+        k = jax.random.normal(k2, (*slots.shape, pools.rotated[0].shape[-1]))
         pools = kv.write_kv(pools, layer, slots, c, k)
     return pools
 
@@ -114,7 +114,7 @@ def time_splice_only(model, downstream: int, repeats: int) -> float:
         box["pools"] = dv._splice_step(
             box["pools"], src, dst, pos_from, pos_to, inv, table, impl="jnp"
         )
-        return box["pools"].k_pe[-1]
+        return box["pools"].rotated[-1]
 
     return median_time(run, repeats=repeats)
 

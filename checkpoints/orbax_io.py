@@ -1,7 +1,8 @@
-"""Save and restore converted `MLAModel` params with orbax-checkpoint.
+"""Save and restore converted `CausalLM` params with orbax-checkpoint.
 
-Layout of a saved directory: `mla_config.json` (the `MLAConfig`, the params dtype and the
-params layout version) and `params/` (an orbax StandardCheckpointer tree of the model's params).
+Layout of a saved directory: `mla_config.json` (the model's config, of any family; the params
+dtype and the params layout version) and `params/` (an orbax StandardCheckpointer tree of the
+model's params).
 
 Params layout 2: the latent up-projection is held head-major as `k_up` / `v_up` (layout 1, the
 saves made before, held the checkpoint's `kv_b_proj`). A save of another layout is refused with a
@@ -18,14 +19,19 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from leyline_jax import MLAConfig, MLAModel
-from leyline_jax.loader import CheckpointError, CheckpointNotFoundError, model_from_params
+from leyline_jax import CausalLM
+from leyline_jax.loader import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    config_from_dict,
+    model_from_params,
+)
 
 CONFIG_FILE = "mla_config.json"
 PARAMS_LAYOUT = 2
 
 
-def save_params(path: str | os.PathLike, model: MLAModel) -> Path:
+def save_params(path: str | os.PathLike, model: CausalLM) -> Path:
     """Write `model`'s config and params under `path` (which must not exist yet)."""
     path = Path(path).absolute()
     if path.exists():
@@ -43,8 +49,8 @@ def save_params(path: str | os.PathLike, model: MLAModel) -> Path:
     return path
 
 
-def restore_params(path: str | os.PathLike) -> MLAModel:
-    """Rebuild the `MLAModel` saved by `save_params` at `path`."""
+def restore_params(path: str | os.PathLike) -> CausalLM:
+    """Rebuild the `CausalLM` saved by `save_params` at `path`."""
     path = Path(path).absolute()
     meta_file = path / CONFIG_FILE
     if not meta_file.is_file() or not (path / "params").is_dir():
@@ -57,9 +63,9 @@ def restore_params(path: str | os.PathLike) -> MLAModel:
             "(k_up / v_up instead of kv_b_proj): convert the Hugging Face checkpoint again "
             "(ll.load_model) and save it"
         )
-    config = MLAConfig.from_dict(meta["config"])
+    config = config_from_dict(meta["config"])
     dtype = jnp.dtype(meta["dtype"])
-    abstract = nnx.eval_shape(lambda: MLAModel(config, dtype))
+    abstract = nnx.eval_shape(lambda: CausalLM(config, dtype))
     target = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
     with ocp.StandardCheckpointer() as ckptr:
         params = ckptr.restore(path / "params", target)

@@ -1,4 +1,4 @@
-"""Tiny random checkpoints of each MLA family, in the Hugging Face on-disk layout.
+"""Tiny random checkpoints of each family (MLA and GQA), in the Hugging Face on-disk layout.
 
 Two writers:
 - `write_random_checkpoint` needs only numpy + safetensors (the embedded default `make run` uses;
@@ -10,7 +10,8 @@ Two writers:
 
 The configs exercise: q_lora_rank None and int, YaRN (old-style `rope_scaling` and new-style
 `rope_parameters`, with and without mscale), softmax group-limited and sigmoid grouped routing,
-shared experts, dense first layers, tied and untied embeddings, interleaved and halves rope.
+shared experts, dense first layers, tied and untied embeddings, interleaved and halves rope;
+and for GQA (`TINY_GQA_CONFIGS`, Llama layout) grouped KV heads with tied and untied embeddings.
 
 Command line: `python -m checkpoints.tiny --out DIR [--hf]` writes one folder per family.
 """
@@ -25,8 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from leyline_jax.config import MLAConfig
-from leyline_jax.loader import hf_tensor_shapes
+from leyline_jax.loader import config_from_hf, hf_tensor_shapes
 
 _COMMON: dict[str, Any] = dict(
     vocab_size=256,
@@ -128,6 +128,31 @@ TINY_HF_VARIANTS: dict[str, dict[str, Any]] = {
 
 FAMILIES = tuple(TINY_HF_CONFIGS)
 
+# The GQA family (Llama layout, as SmolLM2): 4 query heads over 2 KV heads.
+_GQA_COMMON: dict[str, Any] = dict(
+    model_type="llama",
+    architectures=["LlamaForCausalLM"],
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=2048,
+    hidden_act="silu",
+    rms_norm_eps=1e-5,
+    initializer_range=0.1,
+    bos_token_id=0,
+    eos_token_id=1,
+)
+TINY_GQA_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama": dict(_GQA_COMMON, tie_word_embeddings=True, rope_theta=100000.0),
+    "llama_untied": dict(
+        _GQA_COMMON, tie_word_embeddings=False, rope_theta=10000.0, num_key_value_heads=1
+    ),
+}
+
 
 def _random_tensor(rng: np.random.Generator, name: str, shape, std: float) -> np.ndarray:
     if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
@@ -153,7 +178,7 @@ def write_random_checkpoint(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    config = MLAConfig.from_hf(hf_config)
+    config = config_from_hf(hf_config)
     rng = np.random.default_rng(seed)
     std = float(hf_config.get("initializer_range", 0.02))
     np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}[dtype]

@@ -1,13 +1,15 @@
-"""Leyline-JAX: serving-side KV-cache editing for Multi-head Latent Attention models.
+"""Leyline-JAX: serving-side KV-cache editing for Multi-head Latent Attention models (and GQA).
 
-The functional core: configuration, RoPE, the Flax MLA model and its Hugging Face loader, the
-paged KV state, paged prefill/decode, and directives (AMORTIZE / FORGET).
+The functional core: configuration, RoPE, the Flax decoder (MLA families; the GQA family in
+`leyline_jax.gqa`) and its Hugging Face / GGUF loader, the paged KV state, paged
+prefill/decode, and directives (AMORTIZE / FORGET).
 
 Dimension letters used in shape comments across the package:
     B batch (sequences)    T query tokens       S key slots          P pages
     L layers               N attention heads    H hidden size        V vocabulary
     R kv_lora_rank         Dr qk_rope_head_dim  Dn qk_nope_head_dim  Dv v_head_dim
     E routed experts       I expert intermediate size                k experts per token
+    G KV heads (GQA)       D head dimension (GQA)
 """
 
 from leyline_jax.config import ConfigError, MLAConfig
@@ -19,6 +21,7 @@ from leyline_jax.directives import (
     apply_directive,
     apply_directives,
 )
+from leyline_jax.gqa import GQAConfig
 from leyline_jax.kv_state import (
     OutOfPagesError,
     PagedKVState,
@@ -27,15 +30,17 @@ from leyline_jax.kv_state import (
     tokens,
 )
 from leyline_jax.loader import CheckpointError, CheckpointNotFoundError, load_model
-from leyline_jax.model import MLAModel
+from leyline_jax.model import CausalLM, MLAModel
 from leyline_jax.paged import decode, fork, free, prefill
 
 __all__ = [
     "Applied",
+    "CausalLM",
     "CheckpointError",
     "CheckpointNotFoundError",
     "ConfigError",
     "Directive",
+    "GQAConfig",
     "DirectiveError",
     "Mode",
     "MLAConfig",

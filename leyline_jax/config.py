@@ -29,6 +29,37 @@ class ConfigError(ValueError):
     """A configuration the model cannot honour (unknown family, unsupported field value)."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Bands:
+    """What an attention family caches per token and layer, named by what a splice does: the
+    shape of the band it moves bit-exact and of the band it moves and rotates by RoPE. The last
+    axis is one row's width; a leading axis, when there is one, holds one row per KV head. Each
+    row of the rotated band is in the halves layout (`leyline_jax.rope`)."""
+
+    moved: tuple[int, ...]
+    rotated: tuple[int, ...]
+
+
+def read_hf_config(path_or_dict: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
+    """A Hugging Face `config.json` as a dict: from a checkpoint directory, the file, or a dict."""
+    if isinstance(path_or_dict, Mapping):
+        return dict(path_or_dict)
+    if not isinstance(path_or_dict, (str, os.PathLike)):
+        raise ConfigError(
+            f"a config is a path or a JSON object (a mapping), got {type(path_or_dict)}"
+        )
+    path = os.fspath(path_or_dict)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no config.json at {path}")
+    with open(path) as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path} is not valid JSON: {e}") from e
+
+
 def _is_int(v) -> bool:
     return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
 
@@ -213,24 +244,24 @@ class MLAConfig:
     @classmethod
     def from_hf(cls, path_or_dict: str | os.PathLike | Mapping[str, Any]) -> MLAConfig:
         """From a Hugging Face `config.json`: a checkpoint directory, the file, or its dict."""
-        if isinstance(path_or_dict, Mapping):
-            hf = dict(path_or_dict)
-        elif not isinstance(path_or_dict, (str, os.PathLike)):
-            raise ConfigError(
-                f"a config is a path or a JSON object (a mapping), got {type(path_or_dict)}"
-            )
-        else:
-            path = os.fspath(path_or_dict)
-            if os.path.isdir(path):
-                path = os.path.join(path, "config.json")
-            if not os.path.isfile(path):
-                raise FileNotFoundError(f"no config.json at {path}")
-            with open(path) as f:
-                try:
-                    hf = json.load(f)
-                except json.JSONDecodeError as e:
-                    raise ConfigError(f"{path} is not valid JSON: {e}") from e
-        return _from_hf_dict(hf)
+        return _from_hf_dict(read_hf_config(path_or_dict))
+
+    # ---- the attention family's seam: what the model, the pools and the splice ask ----------
+    def kv_bands(self) -> Bands:
+        """MLA caches the normalised latent (moved) and the rope band `k_pe` (rotated)."""
+        return Bands(moved=(self.kv_lora_rank,), rotated=(self.qk_rope_head_dim,))
+
+    def rope_inv_freq(self) -> np.ndarray:
+        """f32[width / 2]: the inverse frequencies of one row of the rotated band."""
+        from leyline_jax import rope  # rope reads this config: imported where used
+
+        return rope.inv_freq(self)
+
+    def attention(self, dtype):
+        """A new (zero) attention module of this family (`leyline_jax.model.MLAAttention`)."""
+        from leyline_jax.model import MLAAttention  # the model imports this module
+
+        return MLAAttention(self, dtype)
 
 
 # Where a config.json omits a field, transformers uses its config class default, and those

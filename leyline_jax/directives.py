@@ -7,8 +7,9 @@ source, destination and old/new position); applying runs on device under jit (on
 move+rotate pass per layer's pool through `pallas_kernels.splice_rotate`, then the
 replacements' prefill).
 
-The splice machinery sees "a band that moves" (`c_kv`) and "a band that moves and rotates"
-(`k_pe`, halves layout), not MLA names, so another attention family can reuse it.
+The splice machinery sees "a band that moves" and "a band that moves and rotates" (halves
+layout), as the family names them (`config.kv_bands()`; MLA: `c_kv` and `k_pe`, GQA: V and K),
+so every family shares it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import math
 from collections.abc import Sequence
 
 import jax
@@ -26,7 +28,7 @@ from flax import nnx
 from leyline_jax import kv_state as kv
 from leyline_jax import paged
 from leyline_jax.kv_state import OutOfPagesError, PagedKVState, SequenceError
-from leyline_jax.model import MLAModel, _inv_freq
+from leyline_jax.model import CausalLM
 from pallas_kernels.dispatch import resolve
 from pallas_kernels.splice_rotate import phase_table, splice_rotate
 
@@ -38,7 +40,7 @@ class DirectiveError(ValueError):
 
 
 class Mode(enum.Enum):
-    AMORTIZE = "amortize"  # splice in place: downstream keeps c_kv, k_pe rotated by delta
+    AMORTIZE = "amortize"  # splice in place: downstream keeps its moved band, rotated band by delta
     FORGET = "forget"  # truncate at start and re-prefill replacement + tokens[end:]
 
 
@@ -192,25 +194,33 @@ def _pad(a: np.ndarray, size: int, fill: int) -> jnp.ndarray:
 @functools.partial(jax.jit, static_argnames="impl", donate_argnames="pools")
 def _splice_step(pools: kv.KVPools, src, dst, pos_from, pos_to, inv_freq, table, *, impl):
     """Move + rotate the kept slots (i32[M] each) into their fresh pages (pure on the pools),
-    one layer's arrays at a time (each is its own buffer: moved in place)."""
+    one layer's arrays at a time (each is its own buffer: moved in place). A family whose slot
+    holds several rows (GQA: one per KV head) moves each row as its own move: the kernel sees
+    rows of one width, each rotated in the halves layout."""
     pages, ps = pools.num_pages, pools.page_size
+    rows = math.prod(pools.rotated[0].shape[2:-1])
+    if rows > 1:  # slot s -> rows s * rows + r; padding (dst == P * ps) stays padding
+        r = jnp.arange(rows, dtype=jnp.int32)
+        dst = jnp.where(dst[:, None] == pages * ps, pages * ps * rows, dst[:, None] * rows + r)
+        src, dst = (src[:, None] * rows + r).reshape(-1), dst.reshape(-1)
+        pos_from, pos_to = jnp.repeat(pos_from, rows), jnp.repeat(pos_to, rows)
     cs, ks = [], []
-    for c, k in zip(pools.c_kv, pools.k_pe, strict=True):
+    for c, k in zip(pools.moved, pools.rotated, strict=True):
         c2, k2 = splice_rotate(
-            c.reshape(1, pages * ps, -1),
-            k.reshape(1, pages * ps, -1),
+            c.reshape(1, pages * ps * rows, -1),
+            k.reshape(1, pages * ps * rows, -1),
             src,
             dst,
             pos_from,
             pos_to,
             inv_freq,
-            k_dtype=pools.k_pe_dtype,
+            k_dtype=pools.rotated_dtype,
             table=table,
             impl=impl,
         )
         cs.append(c2.reshape(c.shape))
         ks.append(k2.reshape(k.shape))
-    return dataclasses.replace(pools, c_kv=tuple(cs), k_pe=tuple(ks))
+    return dataclasses.replace(pools, moved=tuple(cs), rotated=tuple(ks))
 
 
 @functools.partial(jax.jit, donate_argnames="pools")
@@ -250,14 +260,14 @@ def _uses_jnp(impl) -> bool:
 def _phases(config, length: int) -> jax.Array:
     """cos/sin of the model's fp32 RoPE phases at positions [0, length), kept on device (like
     a serving stack's cos/sin cache): the jnp splice looks moved rows' rotations up here."""
-    return jax.jit(phase_table, static_argnums=1)(jnp.asarray(_inv_freq(config)), length)
+    return jax.jit(phase_table, static_argnums=1)(jnp.asarray(config.rope_inv_freq()), length)
 
 
 def _rotation(model, state: PagedKVState, impl) -> tuple:
     """The splice step's rotation inputs: the model's inverse frequencies and, for the jnp path,
     the phase table it looks rotations up in."""
     table = _phases(model.config, state.max_seq_len) if _uses_jnp(impl) else None
-    return jnp.asarray(_inv_freq(model.config)), table
+    return jnp.asarray(model.config.rope_inv_freq()), table
 
 
 def _splice(model, state, seq, tokens, directives, impl):
@@ -336,7 +346,7 @@ class Applied:
 
 
 def apply_directives(
-    model: MLAModel,
+    model: CausalLM,
     state: PagedKVState,
     seq: int,
     directives: Sequence[Directive],
@@ -393,13 +403,13 @@ def apply_directives(
 
 
 def apply_directive(
-    model: MLAModel, state: PagedKVState, seq: int, directive: Directive, *, impl: str | None = None
+    model: CausalLM, state: PagedKVState, seq: int, directive: Directive, *, impl: str | None = None
 ) -> PagedKVState:
     """Apply one directive to `seq` (see `apply_directives`)."""
     return apply_directives(model, state, seq, [directive], impl=impl)
 
 
-def precompile(model: MLAModel, state: PagedKVState, *, impl: str | None = None):
+def precompile(model: CausalLM, state: PagedKVState, *, impl: str | None = None):
     """Compile (and run once, on padding that changes nothing) the directive steps for every
     bucket one sequence's edit can meet: splice moves up to `max_seq_len` slots, zeroing up to a
     sequence's pages. Returns the state and how many shapes ran."""

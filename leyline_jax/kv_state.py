@@ -1,7 +1,8 @@
 """The paged KV state: device pools of KV pages, and their bookkeeping on the host.
 
-Layout. Per layer, the latent `c_kv` and the rope band `k_pe` of every cached token live in pages
-of `page_size` slots, in two separate device arrays (a splice rotates `k_pe` only); every layer
+Layout. Per layer, the two bands of every cached token (the band a splice moves: MLA's latent
+`c_kv`, GQA's V; and the band it moves and rotates: MLA's `k_pe`, GQA's K) live in pages of
+`page_size` slots, in two separate device arrays (a splice rotates one only); every layer
 has its own pair, so a step reads and writes one layer's pages in place (one stacked array per
 band made XLA copy a layer's whole pool out of it for each attention call). Token i of
 sequence q lives at page `page_table[q, i // page_size]`, offset `i % page_size`. Unused
@@ -20,11 +21,11 @@ Sharing. Pages carry reference counts; a page is free when its count is 0. `fork
 every page of a sequence; a page referenced more than once is never written: appending to a
 sequence whose partial last page is shared first copies that page (copy on write).
 
-Storage. A 16-bit float band (bf16 `c_kv` by default) is stored as its raw bits (uint16) and
+Storage. A 16-bit float band (the bf16 moved band by default) is stored as its raw bits (uint16) and
 viewed as floats only where rows are read (`from_storage`): XLA:CPU runs a float-16 scatter by
 converting the whole pool to f32 and back (two full-pool passes for every write), and a
-bitcast of the pool costs the same; an integer pool is scattered in place. `kv_dtype` /
-`k_pe_dtype` on the pools say what the stored bits mean.
+bitcast of the pool costs the same; an integer pool is scattered in place. `moved_dtype` /
+`rotated_dtype` on the pools say what the stored bits mean.
 
 The host operations here assume valid arguments: the public wrappers (`leyline_jax.paged`)
 check first, so an error is raised before anything changes.
@@ -37,8 +38,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from leyline_jax.config import MLAConfig
 
 
 def storage_dtype(dtype):
@@ -73,26 +72,32 @@ class SequenceError(ValueError):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVPools:
-    """The device half of the state: every layer's pages (what jitted steps take and donate)."""
+    """The device half of the state: every layer's pages (what jitted steps take and donate).
 
-    c_kv: tuple[jax.Array, ...]  # per layer [P, page_size, R]   latent, storage_dtype(kv_dtype)
-    k_pe: tuple[jax.Array, ...]  # per layer [P, page_size, Dr]  rope band (halves layout)
+    Two bands per layer, named by what a splice does to them (the attention family says what
+    they hold, `config.kv_bands()`): `moved` is copied bit-exact (MLA: the latent `c_kv`; GQA:
+    V) and `rotated` is moved and rotated by RoPE (MLA: `k_pe`; GQA: K). A band's slot holds
+    `[width]` (one row: MLA) or `[rows, width]` (one row per KV head: GQA), each row in the
+    halves layout for the rotated band."""
+
+    moved: tuple[jax.Array, ...]  # per layer [P, page_size, *moved_shape], storage dtype
+    rotated: tuple[jax.Array, ...]  # per layer [P, page_size, *rotated_shape], storage dtype
     page_size: int = dataclasses.field(metadata=dict(static=True))
-    kv_dtype: jnp.dtype = dataclasses.field(metadata=dict(static=True))  # what c_kv's bits mean
-    k_pe_dtype: jnp.dtype = dataclasses.field(metadata=dict(static=True))
+    moved_dtype: jnp.dtype = dataclasses.field(metadata=dict(static=True))  # what moved's bits mean
+    rotated_dtype: jnp.dtype = dataclasses.field(metadata=dict(static=True))
 
     @property
     def num_pages(self) -> int:
-        return self.c_kv[0].shape[0]
+        return self.moved[0].shape[0]
 
     @property
     def num_layers(self) -> int:
-        return len(self.c_kv)
+        return len(self.moved)
 
     def map(self, fn) -> KVPools:
-        """The pools with `fn(layer_pool)` applied to every layer's `c_kv` and `k_pe` array."""
+        """The pools with `fn(layer_pool)` applied to every layer's arrays of both bands."""
         return dataclasses.replace(
-            self, c_kv=tuple(fn(a) for a in self.c_kv), k_pe=tuple(fn(a) for a in self.k_pe)
+            self, moved=tuple(fn(a) for a in self.moved), rotated=tuple(fn(a) for a in self.rotated)
         )
 
 
@@ -123,12 +128,12 @@ class PagedKVState:
                     _frozen(row)
         return dataclasses.replace(self, **changes)
 
-    # every layer's bands stacked, [L, P, page_size, width] storage (a copy: for inspection)
-    c_kv = property(lambda self: jnp.stack(self.pools.c_kv))
-    k_pe = property(lambda self: jnp.stack(self.pools.k_pe))
+    # every layer's bands stacked, [L, P, page_size, *shape] storage (a copy: for inspection)
+    moved = property(lambda self: jnp.stack(self.pools.moved))
+    rotated = property(lambda self: jnp.stack(self.pools.rotated))
     page_size = property(lambda self: self.pools.page_size)
-    kv_dtype = property(lambda self: self.pools.kv_dtype)
-    k_pe_dtype = property(lambda self: self.pools.k_pe_dtype)
+    moved_dtype = property(lambda self: self.pools.moved_dtype)
+    rotated_dtype = property(lambda self: self.pools.rotated_dtype)
     num_layers = property(lambda self: self.pools.num_layers)
 
     @property
@@ -150,7 +155,7 @@ class PagedKVState:
 
 
 def init_state(
-    config: MLAConfig,
+    config,
     *,
     num_pages: int,
     page_size: int,
@@ -161,7 +166,9 @@ def init_state(
 ) -> PagedKVState:
     """An empty pool of `num_pages` pages of `page_size` slots for up to `max_seqs` sequences.
 
-    `kv_dtype` stores `c_kv`; `k_pe_dtype` stores the rope band and defaults to float32 whatever
+    `config`: a model's config (its family says the bands' shapes: `config.kv_bands()`).
+    `kv_dtype` stores the moved band (MLA `c_kv`, GQA V); `k_pe_dtype` stores the rotated band
+    (MLA `k_pe`, GQA K) and defaults to float32 whatever
     `kv_dtype` is: a band rounded to bf16 after every splice drifts like a random walk (relative
     L2 5e-2 after 1000 splices, against 1.7e-3 for a fresh bf16 prefill), while an fp32 band
     stays at the fresh-prefill error however many splices it takes (4e-4 at positions up to
@@ -192,19 +199,19 @@ def init_state(
     for name, dt in (("kv_dtype", kv_dtype), ("k_pe_dtype", k_pe_dtype)):
         if not jnp.issubdtype(dt, jnp.floating):
             raise ValueError(f"{name} must be a floating dtype, got {dt}")
-    layers = config.num_hidden_layers
+    layers, bands = config.num_hidden_layers, config.kv_bands()
     pools = KVPools(
-        c_kv=tuple(
-            jnp.zeros((num_pages, page_size, config.kv_lora_rank), storage_dtype(kv_dtype))
+        moved=tuple(
+            jnp.zeros((num_pages, page_size, *bands.moved), storage_dtype(kv_dtype))
             for _ in range(layers)
         ),
-        k_pe=tuple(
-            jnp.zeros((num_pages, page_size, config.qk_rope_head_dim), storage_dtype(k_pe_dtype))
+        rotated=tuple(
+            jnp.zeros((num_pages, page_size, *bands.rotated), storage_dtype(k_pe_dtype))
             for _ in range(layers)
         ),
         page_size=page_size,
-        kv_dtype=kv_dtype,
-        k_pe_dtype=k_pe_dtype,
+        moved_dtype=kv_dtype,
+        rotated_dtype=k_pe_dtype,
     )
     empty = np.zeros(0, np.int32)
     return PagedKVState(
@@ -407,11 +414,11 @@ def zero_slots(pools: KVPools, slots) -> KVPools:
 def write_kv(
     pools: KVPools,
     layer: int,
-    slots: jax.Array,  # i32[...] destination slots; P * page_size drops
-    c_kv: jax.Array,  # [..., R]
-    k_pe: jax.Array,  # [..., Dr]
+    slots: jax.Array,  # i32[T] destination slots; P * page_size drops
+    moved: jax.Array,  # [T, *moved_shape]
+    rotated: jax.Array,  # [T, *rotated_shape]
 ) -> KVPools:
-    """Store one layer's latent and rope band at `slots` (cast to the storage dtypes)."""
+    """Store one layer's two bands at `slots` (cast to the storage dtypes)."""
     ps = pools.page_size
     page, off = slots // ps, slots % ps
 
@@ -421,25 +428,9 @@ def write_kv(
 
     return dataclasses.replace(
         pools,
-        c_kv=put(pools.c_kv, c_kv, pools.kv_dtype),
-        k_pe=put(pools.k_pe, k_pe, pools.k_pe_dtype),
+        moved=put(pools.moved, moved, pools.moved_dtype),
+        rotated=put(pools.rotated, rotated, pools.rotated_dtype),
     )
-
-
-def gather_kv(
-    pools: KVPools,
-    layer: int,
-    pages: jax.Array,  # i32[..., W] page ids (P = none)
-    valid: jax.Array,  # bool[..., W * page_size] slots that hold tokens
-) -> tuple[jax.Array, jax.Array]:  # [..., W * page_size, R], [..., W * page_size, Dr]
-    """Read one layer's latent and rope band (as kv_dtype / k_pe_dtype) for a run of pages.
-    Slots that are not valid come back as zeros, whatever the pool holds there (unused pages
-    may hold anything, even NaN)."""
-    c = from_storage(pools.c_kv[layer].at[pages].get(mode="fill", fill_value=0), pools.kv_dtype)
-    k = from_storage(pools.k_pe[layer].at[pages].get(mode="fill", fill_value=0), pools.k_pe_dtype)
-    c = c.reshape(*pages.shape[:-1], -1, c.shape[-1])
-    k = k.reshape(*pages.shape[:-1], -1, k.shape[-1])
-    return jnp.where(valid[..., None], c, 0), jnp.where(valid[..., None], k, 0)
 
 
 # ---- host views -------------------------------------------------------------------------------

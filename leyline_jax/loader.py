@@ -1,9 +1,11 @@
-"""Hugging Face checkpoint -> `MLAModel`.
+"""Hugging Face checkpoint (or GGUF file) -> `CausalLM`.
 
-One table, `hf_tensor_shapes(config)`, names every tensor a checkpoint of a family holds and its
-shape; one pure converter, `convert_hf_params`, maps a flat dict of those tensors to our params
-(checking names and shapes against the table first). The loader, the parity tests and the tiny
-checkpoint writer all go through them.
+Per family, one table names every tensor a checkpoint holds and its shape, and one pure
+converter maps a flat dict of those tensors to our params; `hf_tensor_shapes(config)` and
+`convert_hf_params` dispatch to them by the config's type (MLA's live here, GQA's in
+`leyline_jax.gqa`; `_FAMILIES` is the one registry: adding a family is a module and a line
+there). The converter checks names and shapes against the table first. The loader, the parity
+tests and the tiny checkpoint writer all go through them.
 """
 
 from __future__ import annotations
@@ -19,9 +21,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from leyline_jax import rope
-from leyline_jax.config import ROUTER_SIGMOID_GROUPED, ConfigError, MLAConfig
-from leyline_jax.model import MLAModel
+from leyline_jax import gqa, rope
+from leyline_jax.config import (
+    FAMILIES as MLA_MODEL_TYPES,
+)
+from leyline_jax.config import (
+    ROUTER_SIGMOID_GROUPED,
+    ConfigError,
+    MLAConfig,
+    read_hf_config,
+)
+from leyline_jax.model import CausalLM
 
 # Above this many bytes of tensors the loader shows a progress bar (unless told otherwise).
 PROGRESS_BYTES = 256 << 20
@@ -35,8 +45,8 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """A checkpoint directory or one of its files does not exist."""
 
 
-def hf_tensor_shapes(config: MLAConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a Hugging Face checkpoint of this config holds, with its on-disk shape.
+def _mla_tensor_shapes(config: MLAConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a Hugging Face MLA checkpoint of this config holds, with its on-disk shape.
 
     Linear weights are `[out, in]` as torch stores them; experts are one tensor per expert.
     """
@@ -82,17 +92,17 @@ def hf_tensor_shapes(config: MLAConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _ignored(config: MLAConfig, name: str) -> bool:
+def _ignored(config, name: str) -> bool:
     """What the reference ignores on load: multi-token-prediction layers after the last layer;
     and an lm_head stored beside tied embeddings (the reference re-ties it to the embedding)."""
     m = re.match(r"model\.layers\.(\d+)\.", name)
     if m:
-        i = int(m.group(1))
-        return config.num_hidden_layers <= i < config.num_hidden_layers + config.num_mtp_layers
+        i, n = int(m.group(1)), config.num_hidden_layers
+        return n <= i < n + getattr(config, "num_mtp_layers", 0)
     return config.tie_word_embeddings and name == "lm_head.weight"
 
 
-def _check_names_and_shapes(config: MLAConfig, tensors: Mapping[str, Any]) -> None:
+def _check_names_and_shapes(config, tensors: Mapping[str, Any]) -> None:
     expected = hf_tensor_shapes(config)
     present = {k for k in tensors if not _ignored(config, k)}
     missing = sorted(set(expected) - present)
@@ -110,17 +120,10 @@ def _check_names_and_shapes(config: MLAConfig, tensors: Mapping[str, Any]) -> No
             raise CheckpointError(f"tensor {name} has shape {got}, expected {shape}")
 
 
-def convert_hf_params(
-    config: MLAConfig, tensors: Mapping[str, Any], dtype=jnp.float32
-) -> dict[str, Any]:
-    """Pure: flat dict of HF tensors (numpy-convertible) -> nested params of `MLAModel`.
-
-    Transposes linear weights to `[in, out]`, splits `kv_b_proj` into head-major `k_up`
+def _mla_convert(config: MLAConfig, tensors: Mapping[str, Any], dtype) -> dict[str, Any]:
+    """MLA: transposes linear weights to `[in, out]`, splits `kv_b_proj` into head-major `k_up`
     `[N, Dn, R]` and `v_up` `[N, R, Dv]`, stacks experts, permutes interleaved rope rows to
-    the halves layout, casts to `dtype` (the router and its bias stay float32). Raises
-    `CheckpointError` naming the tensor for any missing, unexpected or mis-shaped tensor.
-    """
-    _check_names_and_shapes(config, tensors)
+    the halves layout, casts to `dtype` (the router and its bias stay float32)."""
     c = config
     n, dr = c.num_attention_heads, c.qk_rope_head_dim
     perm = rope.deinterleave_perm(dr) if c.rope_interleave else np.arange(dr)
@@ -197,9 +200,48 @@ def convert_hf_params(
     return params
 
 
-def model_from_params(config: MLAConfig, params: Mapping[str, Any], dtype=jnp.float32) -> MLAModel:
-    """Build an `MLAModel` around a nested params dict (as `convert_hf_params` returns)."""
-    abstract = nnx.eval_shape(lambda: MLAModel(config, dtype))
+# model_type -> (config class, tensor table, converter): the one place a family is registered
+_FAMILIES = {
+    **{t: (MLAConfig, _mla_tensor_shapes, _mla_convert) for t in MLA_MODEL_TYPES},
+    **{t: (gqa.GQAConfig, gqa.hf_tensor_shapes, gqa.convert_hf_params) for t in gqa.MODEL_TYPES},
+}
+
+
+def _family(model_type):
+    if model_type not in _FAMILIES:
+        raise ConfigError(f"unknown model_type {model_type!r}: supported are {sorted(_FAMILIES)}")
+    return _FAMILIES[model_type]
+
+
+def config_from_hf(path_or_dict):
+    """The config of any supported family from a Hugging Face `config.json` (directory, file or
+    dict): `MLAConfig` or `leyline_jax.gqa.GQAConfig`, by its `model_type`."""
+    hf = read_hf_config(path_or_dict)
+    return _family(hf.get("model_type"))[0].from_hf(hf)
+
+
+def config_from_dict(d: Mapping[str, Any]):
+    """Inverse of `config.to_dict()` for any family."""
+    return _family(d.get("model_type"))[0].from_dict(d)
+
+
+def hf_tensor_shapes(config) -> dict[str, tuple[int, ...]]:
+    """Every tensor a Hugging Face checkpoint of this config holds, with its on-disk shape
+    (linear weights `[out, in]` as torch stores them)."""
+    return _family(config.model_type)[1](config)
+
+
+def convert_hf_params(config, tensors: Mapping[str, Any], dtype=jnp.float32) -> dict[str, Any]:
+    """Pure: flat dict of HF tensors (numpy-convertible) -> nested params of `CausalLM`, by the
+    family's converter. Raises `CheckpointError` naming the tensor for any missing, unexpected
+    or mis-shaped tensor, before converting anything."""
+    _check_names_and_shapes(config, tensors)
+    return _family(config.model_type)[2](config, tensors, dtype)
+
+
+def model_from_params(config, params: Mapping[str, Any], dtype=jnp.float32) -> CausalLM:
+    """Build a `CausalLM` around a nested params dict (as `convert_hf_params` returns)."""
+    abstract = nnx.eval_shape(lambda: CausalLM(config, dtype))
     graphdef, state = nnx.split(abstract)
     expected = nnx.to_pure_dict(state)
     flat_expected = dict(jax.tree_util.tree_leaves_with_path(expected))
@@ -284,8 +326,10 @@ def read_safetensors(path: str | os.PathLike, *, progress: bool | None = None) -
 
 def load_model(
     path: str | os.PathLike, dtype=jnp.float32, *, progress: bool | None = None
-) -> MLAModel:
-    """Load a Hugging Face MLA checkpoint directory into an `MLAModel`.
+) -> CausalLM:
+    """Load a checkpoint into a `CausalLM`: a Hugging Face directory of any supported family
+    (MLA: deepseek_v2, deepseek_v3, glm4_moe_lite; GQA: llama), or a `.gguf` file of the llama
+    architecture (`leyline_jax.gguf`: dequantized, its Q/K rows un-permuted).
 
     Reads `config.json` and `model.safetensors` (or a sharded `model.safetensors.index.json`),
     converts names, layouts and dtype. Any problem raises before a model exists: `ConfigError`
@@ -293,13 +337,21 @@ def load_model(
     `CheckpointError` for missing/unexpected/mis-shaped tensors or unreadable files.
     """
     path = os.fspath(path)
-    if not os.path.isdir(path):
-        raise CheckpointNotFoundError(f"checkpoint directory {path} does not exist")
-    try:
-        config = MLAConfig.from_hf(path)
-    except FileNotFoundError as e:
-        raise CheckpointNotFoundError(str(e)) from e
-    tensors = read_safetensors(path, progress=progress)
+    if path.endswith(".gguf"):
+        if not os.path.isfile(path):
+            raise CheckpointNotFoundError(f"GGUF file {path} does not exist")
+        from leyline_jax import gguf
+
+        hf, tensors = gguf.read_gguf(path)
+        config = config_from_hf(hf)
+    else:
+        if not os.path.isdir(path):
+            raise CheckpointNotFoundError(f"checkpoint directory {path} does not exist")
+        try:
+            config = config_from_hf(path)
+        except FileNotFoundError as e:
+            raise CheckpointNotFoundError(str(e)) from e
+        tensors = read_safetensors(path, progress=progress)
     params = convert_hf_params(config, tensors, dtype)
     return model_from_params(config, params, dtype)
 
@@ -308,6 +360,8 @@ __all__ = [
     "CheckpointError",
     "CheckpointNotFoundError",
     "ConfigError",
+    "config_from_dict",
+    "config_from_hf",
     "convert_hf_params",
     "hf_tensor_shapes",
     "load_model",

@@ -1,4 +1,12 @@
-"""The Flax (NNX) MLA decoder of the DeepSeek-V2/V3 and GLM-4.7-Flash families.
+"""The Flax (NNX) decoder: `CausalLM`, and the MLA attention of the DeepSeek-V2/V3 and
+GLM-4.7-Flash families.
+
+The decoder (embedding, layers of attention + MLP/MoE, final norm, LM head) is shared by every
+attention family; a layer's attention module comes from its config (`config.attention(dtype)`)
+and answers two calls: `attn(x, positions)`, causal self-attention over one whole sequence, and
+`attn.paged(x, positions, pools, layer, slots, meta)`, the same over the paged cache (it writes
+its layer's bands and attends through `pallas_kernels.ragged_paged_attention`). MLA lives here;
+the GQA family in `leyline_jax.gqa`.
 
 Modules hold parameters; the math lives in pure functions (`rms_norm`, `mla_attention`, `route`,
 `moe_experts`) so that the paged prefill/decode path reuses it unchanged. Weights are stored
@@ -17,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from leyline_jax import kv_state as kv
 from leyline_jax import rope
 from leyline_jax.config import (
     ROUTER_SIGMOID_GROUPED,
@@ -25,6 +34,7 @@ from leyline_jax.config import (
     MLAConfig,
     check_tokens,
 )
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
 # q_a_layernorm and kv_a_layernorm use eps 1e-6 whatever rms_norm_eps says (as the reference).
 LATENT_NORM_EPS = 1e-6
@@ -150,8 +160,8 @@ def moe_experts(
 
 
 @functools.lru_cache(maxsize=32)
-def _inv_freq(config: MLAConfig) -> np.ndarray:
-    return rope.inv_freq(config)
+def _inv_freq(config) -> np.ndarray:
+    return config.rope_inv_freq()
 
 
 # ---- modules ---------------------------------------------------------------------------------
@@ -222,6 +232,28 @@ class MLAAttention(nnx.Module):
         """[T, N, Dv] -> [T, H]."""
         return self.o_proj(o.reshape(*o.shape[:-2], -1))
 
+    def paged(self, x, positions, pools: kv.KVPools, layer: int, slots, meta):
+        """Attention over the paged cache, absorbed form: [T, H] new tokens of a ragged batch
+        (`leyline_jax.paged`) -> ([T, H], pools). Writes the new tokens' latent and `k_pe` to
+        `slots` of layer `layer`, then attends with queries multiplied into the latent space,
+        reading `c_kv` and `k_pe` in place; `meta`: (kv_lens, page_indices, cu_q_lens,
+        num_rows) as `ragged_paged_attention` takes them."""
+        q_nope, q_pe = self.queries(x, positions)
+        c_new, k_new = self.latent(x, positions)
+        pools = kv.write_kv(pools, layer, slots, c_new, k_new)
+        w_kb, w_vb = self.kv_up()
+        out = ragged_paged_attention(
+            absorb_queries(q_nope, w_kb),
+            q_pe,
+            pools.moved[layer],  # this layer's own arrays: read in place
+            pools.rotated[layer],
+            *meta,
+            scale=self.config.softmax_scale,
+            kv_dtype=pools.moved_dtype,
+            k_pe_dtype=pools.rotated_dtype,
+        )
+        return self.output(expand_values(out.astype(x.dtype), w_vb)), pools
+
     def __call__(self, x, positions):
         """Causal self-attention over one whole sequence: [T, H], i32[T] -> [T, H]."""
         q_nope, q_pe = self.queries(x, positions)
@@ -289,9 +321,9 @@ class MoE(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, config: MLAConfig, layer: int, dtype):
+    def __init__(self, config, layer: int, dtype):
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.attn = MLAAttention(config, dtype)
+        self.attn = config.attention(dtype)  # the family's attention module
         self.post_attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         if config.is_sparse(layer):
             self.mlp = MoE(config, dtype)
@@ -307,14 +339,15 @@ class DecoderLayer(nnx.Module):
         return self.feed_forward(h)
 
 
-class MLAModel(nnx.Module):
-    """A causal LM. `model(tokens)` is the full-sequence forward: i32[T] -> f32[T, vocab].
+class CausalLM(nnx.Module):
+    """A causal LM of any attention family (`config`: `MLAConfig` or `leyline_jax.gqa.GQAConfig`).
+    `model(tokens)` is the full-sequence forward: i32[T] -> f32[T, vocab].
 
-    Build one with `leyline_jax.load_model` (from a Hugging Face checkpoint) or
+    Build one with `leyline_jax.load_model` (from a Hugging Face checkpoint or a GGUF file) or
     `leyline_jax.loader.model_from_params`.
     """
 
-    def __init__(self, config: MLAConfig, dtype=jnp.float32):
+    def __init__(self, config, dtype=jnp.float32):
         self.config = config
         self.dtype = jnp.dtype(dtype)
         self.embed = nnx.Param(jnp.zeros((config.vocab_size, config.hidden_size), dtype))  # [V, H]
@@ -356,6 +389,10 @@ class MLAModel(nnx.Module):
         tokens = jnp.asarray(check_tokens(tokens, self.config.vocab_size))
         graphdef, state = nnx.split(self)
         return _forward_jit(graphdef, state, tokens)
+
+
+# the name the MLA families' code and users have used since the first release
+MLAModel = CausalLM
 
 
 @functools.partial(jax.jit, static_argnums=0)

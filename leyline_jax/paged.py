@@ -12,11 +12,12 @@ page-table rows), and attention (`pallas_kernels.ragged_paged_attention`) touche
 row's real pages, so a step's cost follows the sequences' real lengths. Compiled shapes depend
 on two buckets only (total new tokens, rows): the page-table rows are passed whole.
 
-Attention form: absorbed (queries multiplied into the latent space; attention reads `c_kv` and
-`k_pe` in place and never materialises per-head K/V). Against the expanded form (K_nope and V
-per head from the gathered latent: S·R·N·(Dn+Dv) to expand plus T·S·N·(Dn+Dr+Dv) to attend)
-it costs T·S·N·(2R+Dr): cheaper for decode and short chunks, up to ~2.4x dearer in flops for
-1024-token chunks at DeepSeek shapes; one form keeps one kernel.
+Attention is each family's (`attn.paged`, asked through the model's layers). MLA's form is
+absorbed (queries multiplied into the latent space; attention reads `c_kv` and `k_pe` in place
+and never materialises per-head K/V). Against the expanded form (K_nope and V per head from the
+gathered latent: S·R·N·(Dn+Dv) to expand plus T·S·N·(Dn+Dr+Dv) to attend) it costs
+T·S·N·(2R+Dr): cheaper for decode and short chunks, up to ~2.4x dearer in flops for 1024-token
+chunks at DeepSeek shapes; one form keeps one kernel.
 """
 
 from __future__ import annotations
@@ -33,8 +34,7 @@ from flax import nnx
 from leyline_jax import kv_state as kv
 from leyline_jax.config import check_ids, check_tokens
 from leyline_jax.kv_state import OutOfPagesError, PagedKVState, SequenceError
-from leyline_jax.model import MLAModel, absorb_queries, expand_values
-from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from leyline_jax.model import CausalLM
 
 # Token buckets start at 1: a decode of B rows runs bucket(B) tokens, not a minimum bucket (at 16
 # a one-row decode of the bench config ran 16 tokens of matmuls and took twice as long)
@@ -50,35 +50,18 @@ def bucket(n: int, minimum: int = 1, maximum: int | None = None) -> int:
 
 
 # ---- the model over a paged cache (traced inside the jitted step) ----------------------------
-def _forward_ragged(model: MLAModel, pools: kv.KVPools, tokens, positions, slots, meta):
+def _forward_ragged(model: CausalLM, pools: kv.KVPools, tokens, positions, slots, meta):
     """Run the decoder over a flattened batch of new tokens (i32[T] each; padding slot
     P*page_size writes nothing) whose KV goes to `slots`; every row attends through its own
-    pages to its own slots only (`pallas_kernels.ragged_paged_attention`, absorbed form: queries
-    multiplied into the latent space, `c_kv` and `k_pe` read in place). `meta`: (kv_lens i32[B],
-    page_indices i32[B, W], cu_q_lens i32[B+1], num_rows i32[1]). Returns the final hidden states
-    [T, H] (after the final norm) and the new pools."""
+    pages to its own slots only (each layer's `attn.paged`, which writes its bands and calls
+    `pallas_kernels.ragged_paged_attention`). `meta`: (kv_lens i32[B], page_indices i32[B, W],
+    cu_q_lens i32[B+1], num_rows i32[1]). Returns the final hidden states [T, H] (after the
+    final norm) and the new pools."""
     h = model.embed_tokens(tokens)
     for i, layer in enumerate(model.layers):
         with jax.named_scope(f"layer_{i}"):
-            attn = layer.attn
-            x = layer.input_norm(h)
-            q_nope, q_pe = attn.queries(x, positions)
-            c_new, k_new = attn.latent(x, positions)
-            pools = kv.write_kv(pools, i, slots, c_new, k_new)
-            w_kb, w_vb = attn.kv_up()
-            q_lat = absorb_queries(q_nope, w_kb)
-            out = ragged_paged_attention(
-                q_lat,
-                q_pe,
-                pools.c_kv[i],  # this layer's own arrays: read in place
-                pools.k_pe[i],
-                *meta,
-                scale=model.config.softmax_scale,
-                kv_dtype=pools.kv_dtype,
-                k_pe_dtype=pools.k_pe_dtype,
-            )
-            o = expand_values(out.astype(h.dtype), w_vb)
-            h = layer.feed_forward(h + attn.output(o))
+            out, pools = layer.attn.paged(layer.input_norm(h), positions, pools, i, slots, meta)
+            h = layer.feed_forward(h + out)
     return model.final_norm(h), pools
 
 
@@ -190,7 +173,7 @@ def fill(model, state: PagedKVState, seq: int, start: int, tokens, graph=None):
 
 
 def precompile(
-    model: MLAModel, state: PagedKVState, max_rows: int, max_row_tokens: int, graph=None
+    model: CausalLM, state: PagedKVState, max_rows: int, max_row_tokens: int, graph=None
 ) -> tuple[PagedKVState, int]:
     """Compile (and run once) the step for every shape a batch of at most `max_rows` rows of
     at most `max_row_tokens` new tokens each can take: each row bucket with each token bucket
@@ -254,7 +237,7 @@ def _check_appends(state: PagedKVState, seqs: list, counts: list) -> None:
 
 # ---- public API -----------------------------------------------------------------------------
 def prefill(
-    model: MLAModel, state: PagedKVState, seq: int, tokens
+    model: CausalLM, state: PagedKVState, seq: int, tokens
 ) -> tuple[PagedKVState, jax.Array]:
     """Append `tokens` to sequence `seq` (opening it if it is not open) and run them through the
     model. Returns the new state and float32 logits [vocab] after the last appended token.
@@ -285,7 +268,7 @@ def prefill(
 
 
 def extend(
-    model: MLAModel,
+    model: CausalLM,
     state: PagedKVState,
     seqs: Sequence[int],
     tokens: Sequence[Sequence[int]],
@@ -312,7 +295,7 @@ def extend(
 
 
 def decode(
-    model: MLAModel,
+    model: CausalLM,
     state: PagedKVState,
     seqs: Sequence[int],
     tokens: Sequence[int],

@@ -10,6 +10,16 @@ within the new tokens, everything before them). Slot s of row b lives at
     score[t, n, s] = scale * (q_lat[t, n] . c_kv[s] + q_pe[t, n] . k_pe[s])
     out[t, n]      = sum_s softmax_s(score[t, n, :]) c_kv[s]          (latent; caller applies W_vb)
 
+Grouped form (GQA). The same function serves a family whose keys and values are distinct per KV
+head: `q_lat` is None (no latent score term), `c_kv` holds V and `k_pe` holds K, both
+`[P, page_size, G, D]` (G KV heads); query head n reads KV head `n // (N / G)`:
+
+    score[t, n, s] = scale * q_pe[t, n] . k_pe[s, g(n)]
+    out[t, n]      = sum_s softmax_s(score[t, n, :]) c_kv[s, g(n)]
+
+The splice sees the same two bands: `c_kv` moves, `k_pe` moves and rotates. The jnp path
+serves both forms; the TPU kernel, the MLA form only.
+
 Pools. `c_kv` / `k_pe` are one layer's pages ([P, page_size, *]); the caller
 (`leyline_jax.kv_state`) keeps one array per layer, so a layer's pages are read in place (a slice
 of stacked pools would be a copy of that layer's pool under jit). The reference reads them as
@@ -106,7 +116,7 @@ def _band_dtype(name: str, stored, meaning):
 
 
 def validate_static(
-    q_lat,  # [T, N, R]
+    q_lat,  # [T, N, R], or None for the grouped form
     q_pe,  # [T, N, Dr]
     c_kv,  # [P, page_size, R]
     k_pe,  # [P, page_size, Dr]
@@ -122,16 +132,24 @@ def validate_static(
     """Shapes and dtypes (cheap; runs at trace time). Returns the float types of c_kv and k_pe.
     `compiled`: also check the layout the compiled TPU kernel needs (R a multiple of 128 lanes,
     page_size and N multiples of their dtype's sublane tile)."""
-    if q_lat.ndim != 3 or q_pe.ndim != 3 or q_lat.shape[:2] != q_pe.shape[:2]:
+    grouped = q_lat is None
+    if q_pe.ndim != 3 or (not grouped and (q_lat.ndim != 3 or q_lat.shape[:2] != q_pe.shape[:2])):
         raise ValueError(
-            f"q_lat, q_pe must be [T, N, *] with equal T, N: {q_lat.shape}, {q_pe.shape}"
+            "q_lat, q_pe must be [T, N, *] with equal T, N: "
+            f"{None if grouped else q_lat.shape}, {q_pe.shape}"
         )
-    if c_kv.ndim != 3 or k_pe.ndim != 3 or c_kv.shape[:-1] != k_pe.shape[:-1]:
+    ndim = 4 if grouped else 3
+    if c_kv.ndim != ndim or k_pe.ndim != ndim or c_kv.shape[:-1] != k_pe.shape[:-1]:
         raise ValueError(
-            "c_kv, k_pe must be [P, page_size, *] with equal leading dimensions: "
-            f"{c_kv.shape}, {k_pe.shape}"
+            f"c_kv, k_pe must be [P, page_size{', G' if grouped else ''}, *] with equal leading "
+            f"dimensions: {c_kv.shape}, {k_pe.shape}"
         )
-    if q_lat.shape[2] != c_kv.shape[-1]:
+    if grouped:
+        if compiled:
+            raise ValueError("the compiled kernel serves the MLA form only (q_lat given)")
+        if q_pe.shape[1] % c_kv.shape[2]:
+            raise ValueError(f"{q_pe.shape[1]} query heads do not group over {c_kv.shape[2]}")
+    elif q_lat.shape[2] != c_kv.shape[-1]:
         raise ValueError(f"q_lat width {q_lat.shape[2]} != c_kv width {c_kv.shape[-1]} (R)")
     if q_pe.shape[2] != k_pe.shape[-1]:
         raise ValueError(f"q_pe width {q_pe.shape[2]} != k_pe width {k_pe.shape[-1]} (Dr)")
@@ -149,7 +167,7 @@ def validate_static(
         if a.dtype != jnp.int32:
             raise ValueError(f"{name} must be int32, got {a.dtype}")
     for name, q in (("q_lat", q_lat), ("q_pe", q_pe)):
-        if not jnp.issubdtype(q.dtype, jnp.floating):
+        if q is not None and not jnp.issubdtype(q.dtype, jnp.floating):
             raise ValueError(f"{name} must be a float array, got {q.dtype}")
     kv_type = _band_dtype("c_kv", c_kv.dtype, kv_dtype)
     k_pe_type = _band_dtype("k_pe", k_pe.dtype, k_pe_dtype)
@@ -171,8 +189,8 @@ def validate_static(
 
 
 def validate_dynamic(
-    q_lat,  # [T, N, R]
-    c_kv,  # [P, page_size, R]
+    q,  # [T, N, *]: either query array (only T is read)
+    c_kv,  # [P, page_size, ...]
     kv_lens,  # i32[B]
     page_indices,  # i32[B, W]
     cu_q_lens,  # i32[B + 1]
@@ -182,8 +200,8 @@ def validate_dynamic(
     and not checked."""
     kv_lens, page_indices = np.asarray(kv_lens), np.asarray(page_indices)
     cu_q_lens, num_rows = np.asarray(cu_q_lens), int(np.asarray(num_rows)[0])
-    t = q_lat.shape[0]
-    pages, page_size = c_kv.shape[-3:-1]
+    t = q.shape[0]
+    pages, page_size = c_kv.shape[:2]
     b, w = page_indices.shape
     if not 0 <= num_rows <= b:
         raise ValueError(f"num_rows {num_rows} must be in [0, {b}]")
@@ -214,10 +232,10 @@ def _from_storage(x, dtype):
 
 def _tile_pass(
     out,  # f32[T, N, R]
-    q_lat,  # [T, N, R]
+    q_lat,  # [T, N, R] or None (grouped form)
     q_pe,  # [T, N, Dr]
-    c_kv,  # [P, page_size, R]
-    k_pe,  # [P, page_size, Dr]
+    c_kv,  # [P, page_size, R] or [P, page_size, G, R]
+    k_pe,  # [P, page_size, Dr] or [P, page_size, G, Dr]
     kv_lens,  # i32[B]
     page_indices,  # i32[B, W]
     cu_q_lens,  # i32[B + 1]
@@ -232,11 +250,18 @@ def _tile_pass(
 ):  # -> f32[T, N, R]
     """Attend every tile of `size` queries (row b's `count[b]` tiles start at token `first[b]`
     and follow each other) and write those tiles' tokens into `out`."""
-    t, n, r = q_lat.shape
-    pages, page_size, _ = c_kv.shape[-3:]
+    t, n, r = out.shape
+    pages, page_size = c_kv.shape[:2]
     slots = block_pages * page_size  # per kv block
     ends = jnp.cumsum(count)  # i32[B]: items of rows <= b
     offs = jnp.arange(size, dtype=jnp.int32)
+    if c_kv.ndim == 4:  # grouped: query head n reads KV head n // (N / G)
+        g = c_kv.shape[2]
+        lead, kv_shape = (size, g, n // g), (slots, g)
+        score, mix = "qgnd,sgd->qgns", "qgns,sgr->qgnr"
+    else:  # MLA: one latent row per slot, read by every head
+        lead, kv_shape = (size, n), (slots,)
+        score, mix = "qnd,sd->qns", "qns,sr->qnr"
 
     def item(i, out):
         b = jnp.sum(ends <= i).astype(jnp.int32)  # the row of item i
@@ -246,42 +271,49 @@ def _tile_pass(
         real = tok < q_end
         pos = kv_len - q_end + tok  # each query's position in the row's sequence
         seen = kv_len - q_end + jnp.minimum(start + size, q_end)  # slots the tile's last query sees
-        ql = q_lat.at[tok].get(mode="fill", fill_value=0).astype(_F32)  # [size, N, R]
-        qp = q_pe.at[tok].get(mode="fill", fill_value=0).astype(_F32)  # [size, N, Dr]
+
+        def queries(q):  # [T, N, *] -> f32[*lead, *]
+            q = q.at[tok].get(mode="fill", fill_value=0).astype(_F32)
+            return q.reshape(*lead, q.shape[-1])
+
+        ql = None if q_lat is None else queries(q_lat)
+        qp = queries(q_pe)
         row_pages = page_indices[b]  # i32[W]
 
         def kv_block(j, carry):
-            m, denom, acc = carry  # f32[size, N], f32[size, N], f32[size, N, R]
+            m, denom, acc = carry  # f32[*lead], f32[*lead], f32[*lead, R]
             slot = j * slots + jnp.arange(slots)
             # slots no query of the tile can see get an out-of-range index: filled, never read
             page = row_pages.at[slot // page_size].get(mode="fill", fill_value=pages)
             page = jnp.where(slot < seen, page, pages)
             # read as [page, offset] of the pools as they are: a flattened view of a pool that
             # the step also writes made XLA:CPU copy the pool (twice) around these loops
-            c = c_kv.at[page, slot % page_size].get(mode="fill", fill_value=0)  # [slots, R]
-            k = k_pe.at[page, slot % page_size].get(mode="fill", fill_value=0)  # [slots, Dr]
-            c = _from_storage(c, kv_type).astype(_F32)
-            k = _from_storage(k, k_pe_type).astype(_F32)
-            s = jnp.einsum("qnr,sr->qns", ql, c, precision=_HIGHEST)
-            s = scale * (s + jnp.einsum("qnd,sd->qns", qp, k, precision=_HIGHEST))
-            allowed = (real[:, None] & (slot[None, :] <= pos[:, None]))[:, None, :]
-            s = jnp.where(allowed, s, -jnp.inf)  # [size, N, slots]
+            c = c_kv.at[page, slot % page_size].get(mode="fill", fill_value=0)  # [slots, (G,) R]
+            k = k_pe.at[page, slot % page_size].get(mode="fill", fill_value=0)  # [slots, (G,) Dr]
+            c = _from_storage(c, kv_type).astype(_F32).reshape(*kv_shape, -1)
+            k = _from_storage(k, k_pe_type).astype(_F32).reshape(*kv_shape, -1)
+            s = jnp.einsum(score, qp, k, precision=_HIGHEST)
+            if ql is not None:
+                s = jnp.einsum(score, ql, c, precision=_HIGHEST) + s
+            s = scale * s
+            allowed = real[:, None] & (slot[None, :] <= pos[:, None])  # [size, slots]
+            s = jnp.where(allowed.reshape(size, *[1] * (len(lead) - 1), slots), s, -jnp.inf)
             m_new = jnp.maximum(m, s.max(axis=-1))
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a query that saw nothing yet
             p = jnp.exp(s - m_safe[..., None])
             alpha = jnp.exp(m - m_safe)
-            acc = alpha[..., None] * acc + jnp.einsum("qns,sr->qnr", p, c, precision=_HIGHEST)
+            acc = alpha[..., None] * acc + jnp.einsum(mix, p, c, precision=_HIGHEST)
             return m_new, alpha * denom + p.sum(axis=-1), acc
 
         init = (
-            jnp.full((size, n), -jnp.inf, _F32),
-            jnp.zeros((size, n), _F32),
-            jnp.zeros((size, n, r), _F32),
+            jnp.full(lead, -jnp.inf, _F32),
+            jnp.zeros(lead, _F32),
+            jnp.zeros((*lead, r), _F32),
         )
         _, denom, acc = jax.lax.fori_loop(0, -(-seen // slots), kv_block, init)
         denom = denom[..., None]
         res = jnp.where(denom > 0, acc / jnp.where(denom > 0, denom, 1.0), 0.0)
-        return out.at[jnp.where(real, tok, t)].set(res, mode="drop")
+        return out.at[jnp.where(real, tok, t)].set(res.reshape(size, n, r), mode="drop")
 
     return jax.lax.fori_loop(0, ends[-1], item, out)
 
@@ -291,10 +323,10 @@ def _tile_pass(
     static_argnames=("scale", "kv_dtype", "k_pe_dtype", "q_tiles", "block_kv"),
 )
 def ref_ragged_paged_attention(
-    q_lat,  # [T, N, R]
+    q_lat,  # [T, N, R], or None: the grouped form (module docstring)
     q_pe,  # [T, N, Dr]
-    c_kv,  # [P, page_size, R]
-    k_pe,  # [P, page_size, Dr]
+    c_kv,  # [P, page_size, R] or [P, page_size, G, R]
+    k_pe,  # [P, page_size, Dr] or [P, page_size, G, Dr]
     kv_lens,  # i32[B]
     page_indices,  # i32[B, W]
     cu_q_lens,  # i32[B + 1]
@@ -320,10 +352,10 @@ def ref_ragged_paged_attention(
         raise ValueError(f"q_tiles must be positive sizes, largest first: {q_tiles}")
     if block_kv <= 0:
         raise ValueError(f"block_kv must be positive, got {block_kv}")
-    t, n, r = q_lat.shape
+    (t, n), r = q_pe.shape[:2], c_kv.shape[-1]
     if t == 0:  # nothing to gather from
         return jnp.zeros((0, n, r), _F32)
-    block_pages = max(1, block_kv // c_kv.shape[-2])
+    block_pages = max(1, block_kv // c_kv.shape[1])
     b = kv_lens.shape[0]
     in_use = jnp.arange(b) < num_rows[0]
     first = cu_q_lens[:-1]
@@ -583,7 +615,8 @@ def ragged_paged_attention_kernel(
 
 # ---- dispatch -------------------------------------------------------------------------------
 def ragged_paged_attention(
-    q_lat,  # [T, N, R]: queries multiplied into the latent space (q_nope @ W_kb per head)
+    q_lat,  # [T, N, R]: queries multiplied into the latent space (q_nope @ W_kb per head);
+    # None for the grouped form (GQA: c_kv holds V, k_pe holds K, [P, page_size, G, D] each)
     q_pe,  # [T, N, Dr]: rope part of the queries, position embedded
     c_kv,  # [P, page_size, R]: latent pages, storage dtype
     k_pe,  # [P, page_size, Dr]: rope-band pages, storage dtype
@@ -610,12 +643,15 @@ def ragged_paged_attention(
     the kernel, `block_kv` both. Concrete metadata is validated here (`validate_dynamic`); under
     the caller's jit that is the caller's job.
     """
-    impl, interpret = resolve(impl)
+    # the grouped form has no kernel yet: by default it takes the jnp path everywhere
+    impl, interpret = resolve("jnp" if impl is None and q_lat is None else impl)
+    if q_lat is None and impl != "jnp":
+        raise ValueError(f"impl={impl!r}: the grouped form (q_lat None) runs on the jnp path only")
     meta = (kv_lens, page_indices, cu_q_lens, num_rows)
     args = (q_lat, q_pe, c_kv, k_pe, *meta)
     validate_static(*args, kv_dtype=kv_dtype, k_pe_dtype=k_pe_dtype)  # first
     if not any(isinstance(a, jax.core.Tracer) for a in meta):
-        validate_dynamic(q_lat, c_kv, *meta)
+        validate_dynamic(q_pe, c_kv, *meta)
     kw = dict(scale=scale, kv_dtype=kv_dtype, k_pe_dtype=k_pe_dtype, block_kv=block_kv)
     if impl == "jnp":
         return ref_ragged_paged_attention(*args, q_tiles=q_tiles, **kw)

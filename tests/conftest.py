@@ -12,15 +12,19 @@ import numpy as np
 import pytest
 
 from checkpoints.tiny import (
+    TINY_GQA_CONFIGS,
     TINY_HF_CONFIGS,
     TINY_HF_VARIANTS,
     make_hf_checkpoint,
     write_random_checkpoint,
 )
 
-ALL_CONFIGS = {**TINY_HF_CONFIGS, **TINY_HF_VARIANTS}
-FAMILIES = tuple(TINY_HF_CONFIGS)
+ALL_CONFIGS = {**TINY_HF_CONFIGS, **TINY_HF_VARIANTS, **TINY_GQA_CONFIGS}
+FAMILIES = tuple(TINY_HF_CONFIGS)  # the MLA families
+GQA_NAMES = tuple(TINY_GQA_CONFIGS)  # the GQA family's tiny checkpoints
 ALL_NAMES = tuple(ALL_CONFIGS)
+MLA_NAMES = (*TINY_HF_CONFIGS, *TINY_HF_VARIANTS)
+DECODERS = (*FAMILIES, "llama")  # one tiny model per family, both attention families
 
 
 @pytest.fixture(autouse=True, scope="module")

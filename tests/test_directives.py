@@ -1,10 +1,11 @@
-"""Directives: validation, and exactness on tiny checkpoints of all three families.
+"""Directives: validation, and exactness on tiny checkpoints of every family (MLA and GQA).
 
 (a) AMORTIZE of a span by the same tokens leaves next-token logits as without an edit;
 (b) FORGET equals a fresh prefill of the edited token list;
 (c) AMORTIZE equals an independent reference built with Hugging Face PyTorch: its forward over
     prefix + replacement, plus the original run's cached downstream latent with the rope band
-    re-rotated in float64 (exact Δ * inv_freq), fed back as its cache, then new tokens;
+    re-rotated in float64 (exact Δ * inv_freq), fed back as its cache, then new tokens (GQA:
+    the downstream K re-rotated per head in float64, V as cached);
 (d) a splice of a forked sequence never changes the other sequence's logits.
 fp32 params and storage; tolerance 1e-4 of max|logit| as everywhere (see test_parity.py).
 """
@@ -16,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import ALL_NAMES, FAMILIES, random_tokens
+from conftest import DECODERS, GQA_NAMES, MLA_NAMES, random_tokens
 from test_parity import assert_logits_match, rel_err
 
 import leyline_jax as ll
@@ -43,7 +44,7 @@ def run(model, tokens, directives, new=NEW, page_size=16, impl=None):
 
 
 # ---- (a) identity ---------------------------------------------------------------------------
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", DECODERS)
 @pytest.mark.parametrize("page_size", [16, 7])
 def test_amortize_same_tokens_is_identity(name, page_size, np_ckpt):
     model = ll.load_model(np_ckpt(name))
@@ -77,7 +78,7 @@ def test_long_replacement_fills_in_chunks(np_ckpt):
 
 
 # ---- (b) FORGET -----------------------------------------------------------------------------
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", DECODERS)
 @pytest.mark.parametrize(
     "span", [(37, 120, [1, 2, 3]), (0, 10, []), (150, 150, [9] * 20), (290, 300, [4])]
 )
@@ -100,11 +101,11 @@ def test_forget_zeroes_released_pages(np_ckpt):
     rc = np.asarray(state.refcount)
     released = old[2:]  # 20 tokens keep pages 0 and 1
     assert (rc[released] == 0).all()
-    assert not np.asarray(state.c_kv)[:, released].any()
-    assert not np.asarray(state.k_pe)[:, released].any()
+    assert not np.asarray(state.moved)[:, released].any()
+    assert not np.asarray(state.rotated)[:, released].any()
     # the kept partial page holds nothing past the cut either
-    assert not np.asarray(state.c_kv)[:, old[1], 20 - 16 :].any()
-    assert np.asarray(state.c_kv)[:, old[1], : 20 - 16].any()
+    assert not np.asarray(state.moved)[:, old[1], 20 - 16 :].any()
+    assert np.asarray(state.moved)[:, old[1], : 20 - 16].any()
 
 
 # ---- (c) AMORTIZE against a Hugging Face reference ------------------------------------------
@@ -139,7 +140,7 @@ def hf_amortize_reference(hf, tokens, start, end, rep, new, interleaved):
         return hf(torch.tensor(new)[None], cache=cache, use_cache=True).logits[0, -1].numpy()
 
 
-@pytest.mark.parametrize("name", ALL_NAMES)
+@pytest.mark.parametrize("name", MLA_NAMES)
 @pytest.mark.parametrize(
     "span",
     [(37, 120, [1, 2, 3]), (50, 60, list(range(100, 140))), (200, 200, [8] * 17), (10, 26, [])],
@@ -155,6 +156,67 @@ def test_amortize_matches_hf_reference(name, span, hf_ckpt, hf_model):
     # and AMORTIZE is not FORGET here (the test can tell them apart)
     fresh = np.asarray(model(np.asarray(toks[:start] + rep + toks[end:] + NEW)))[-1]
     assert rel_err(got, fresh) > 1e-3
+
+
+def hf_gqa_amortize_reference(hf, tokens, start, end, rep, new):
+    """GQA: HF logits after `new`, with a cache = HF's own prefix+replacement K/V followed by
+    the original run's downstream K re-rotated per head in float64 by Δ (halves pairs, as
+    `rotate_half`) and its downstream V as cached."""
+    from transformers import DynamicCache
+
+    delta = len(rep) - (end - start)
+    with torch.no_grad():
+        orig = hf(torch.tensor(tokens)[None], use_cache=True).cache
+        head = hf(torch.tensor(tokens[:start] + rep)[None], use_cache=True).cache
+    ang = delta * hf.model.rotary_emb.inv_freq.double().numpy()
+    cos, sin = np.cos(ang), np.sin(ang)
+    cache = DynamicCache(config=hf.config)
+    for i in range(len(orig.layers)):
+        k_down = orig.layers[i].keys[:, :, end:].double().numpy()  # [1, G, S, D]
+        h = k_down.shape[-1] // 2
+        x1, x2 = k_down[..., :h], k_down[..., h:]
+        rot = torch.from_numpy(np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1))
+        keys = torch.cat([head.layers[i].keys, rot.float()], 2)
+        values = torch.cat([head.layers[i].values, orig.layers[i].values[:, :, end:]], 2)
+        cache.update(keys, values, i)
+    with torch.no_grad():
+        return hf(torch.tensor(new)[None], cache=cache, use_cache=True).logits[0, -1].numpy()
+
+
+@pytest.mark.parametrize("name", GQA_NAMES)
+@pytest.mark.parametrize(
+    "span",
+    [(37, 120, [1, 2, 3]), (50, 60, list(range(100, 140))), (200, 200, [8] * 17), (10, 26, [])],
+)
+def test_gqa_amortize_matches_hf_reference(name, span, hf_ckpt, hf_model):
+    path = hf_ckpt(name)
+    model, hf = ll.load_model(path), hf_model(path)
+    toks = random_tokens(N, seed=4).tolist()
+    start, end, rep = span
+    _, got = run(model, toks, [ll.Directive(start, end, rep)])
+    assert_logits_match(got, hf_gqa_amortize_reference(hf, toks, start, end, rep, NEW))
+    fresh = np.asarray(model(np.asarray(toks[:start] + rep + toks[end:] + NEW)))[-1]
+    assert rel_err(got, fresh) > 1e-3  # AMORTIZE is not FORGET here: the test can tell
+
+
+def test_gqa_reference_catches_an_unrotated_splice(hf_ckpt, hf_model, monkeypatch):
+    """The GQA check can fail: a splice that moves K without rotating it (Δ ignored) is
+    flagged by the reference."""
+    from leyline_jax import directives as dv
+
+    path = hf_ckpt("llama")
+    model, hf = ll.load_model(path), hf_model(path)
+    toks = random_tokens(N, seed=4).tolist()
+    ref = hf_gqa_amortize_reference(hf, toks, 37, 120, [1, 2, 3], NEW)
+    real = dv._splice_step
+    monkeypatch.setattr(
+        dv,
+        "_splice_step",
+        lambda pools, src, dst, pf, pt, *a, **k: real(pools, src, dst, pf, pf, *a, **k),
+    )
+    _, got = run(model, toks, [ll.Directive(37, 120, [1, 2, 3])])
+    with pytest.raises(AssertionError):
+        assert_logits_match(got, ref)
 
 
 def test_batch_equals_sequential_left_to_right(np_ckpt):
@@ -196,7 +258,7 @@ def test_kernel_interpret_path_matches_jnp(np_ckpt):
     s1, a = run(model, toks, d, impl="jnp")
     s2, b = run(model, toks, d, impl="interpret")
     np.testing.assert_array_equal(a, b)
-    np.testing.assert_array_equal(np.asarray(s1.k_pe), np.asarray(s2.k_pe))
+    np.testing.assert_array_equal(np.asarray(s1.rotated), np.asarray(s2.rotated))
 
 
 # ---- (d) forks ------------------------------------------------------------------------------
@@ -208,11 +270,11 @@ def test_splicing_a_fork_leaves_the_other_alone(mode, np_ckpt):
     state, _ = ll.prefill(model, state, 0, toks)
     state = ll.fork(state, 0, 1)
     pages0 = np.asarray(state.page_table)[0, :10].copy()
-    kv0 = np.asarray(state.c_kv)[:, pages0].copy(), np.asarray(state.k_pe)[:, pages0].copy()
+    kv0 = np.asarray(state.moved)[:, pages0].copy(), np.asarray(state.rotated)[:, pages0].copy()
     state = ll.apply_directive(model, state, 1, ll.Directive(30, 60, [1, 2], mode))
     np.testing.assert_array_equal(np.asarray(state.page_table)[0, :10], pages0)
-    np.testing.assert_array_equal(np.asarray(state.c_kv)[:, pages0], kv0[0])
-    np.testing.assert_array_equal(np.asarray(state.k_pe)[:, pages0], kv0[1])
+    np.testing.assert_array_equal(np.asarray(state.moved)[:, pages0], kv0[0])
+    np.testing.assert_array_equal(np.asarray(state.rotated)[:, pages0], kv0[1])
     state, a = ll.decode(model, state, [0], [5])
     want = np.asarray(model(np.asarray(toks + [5])))[-1]
     assert_logits_match(np.asarray(a)[0], want)

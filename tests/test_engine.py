@@ -8,6 +8,8 @@ functional core (lineage). fp32 cache and params, greedy: tokens must be identic
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,8 +25,19 @@ SYSTEM = np.random.default_rng(7).integers(0, 256, 21).tolist()
 
 
 @pytest.fixture(scope="module")
-def model(np_ckpt):
-    return ll.load_model(np_ckpt("deepseek_v3"))
+def models(np_ckpt):
+    """Each tiny checkpoint's model, loaded once per module."""
+    return functools.cache(lambda name: ll.load_model(np_ckpt(name)))
+
+
+@pytest.fixture(scope="module")
+def model(request, models):
+    """deepseek_v3's tiny model, or the one a test names with `on_both_families`."""
+    return models(getattr(request, "param", "deepseek_v3"))
+
+
+# the engine's invariants run on both attention families (MLA and GQA)
+on_both_families = pytest.mark.parametrize("model", ["deepseek_v3", "llama"], indirect=True)
 
 
 def make_engine(model, **kw):
@@ -78,12 +91,18 @@ def check_refcounts(engine):
     np.testing.assert_array_equal(rc, want)
 
 
-@pytest.fixture(scope="module")
-def alone(model):
-    """Each scripted session run by itself."""
+@functools.cache
+def _alone(model):
     return {i: run_sessions(make_engine(model), [i])[i] for i in range(16)}
 
 
+@pytest.fixture(scope="module")
+def alone(model):
+    """Each scripted session run by itself."""
+    return _alone(model)
+
+
+@on_both_families
 def test_unedited_session_alone_equals_full_forward_greedy(model, alone):
     """The engine's own reference is right: session 2 (no edits) decodes what greedy decoding
     with the full-sequence forward gives."""
@@ -97,6 +116,7 @@ def test_unedited_session_alone_equals_full_forward_greedy(model, alone):
 
 
 @pytest.mark.parametrize("c", [1, 4, 8, 16])
+@on_both_families
 def test_batching_invariance(model, alone, c):
     engine = make_engine(model)
     outs = run_sessions(engine, list(range(c)))
@@ -139,6 +159,7 @@ def test_counters_add_up(model):
     assert st.ttft_s > 0 and st.latency_s >= st.ttft_s
 
 
+@on_both_families
 def test_lineage_spliced_kv_is_not_served_to_another_session(model):
     """A splices with AMORTIZE; B then sends A's edited token list as a fresh prompt: B gets
     a fresh prefill's logits (the radix hands it only A's clean prefix), not A's KV."""
@@ -185,6 +206,7 @@ def test_lineage_spliced_kv_is_not_served_to_another_session(model):
     assert np.abs(np.asarray(got_a[0]) - np.asarray(want_a)).max() > 1e-3 * scale
 
 
+@on_both_families
 def test_forget_purges_the_radix_and_zeroes_released_pages(model):
     """After a FORGET of [21, 40): no slot of the pool still holds KV the old sequence had at
     positions >= 21 (computed with the evicted tokens), the pages the edit and the radix purge
@@ -199,12 +221,14 @@ def test_forget_purges_the_radix_and_zeroes_released_pages(model):
     engine.close_session(b0)
     seq, start = engine.sessions[a].seq, 21
 
-    def rows(state):  # last layer's latent rows, [P * PS, R] (layer 0's depend on the token only)
-        return np.asarray(state.c_kv)[-1].reshape(-1, state.c_kv.shape[-1])
+    def rows(state):  # last layer's moved band per slot (layer 0's depends on the token only)
+        return np.asarray(state.moved)[-1].reshape(state.num_pages * state.page_size, -1)
 
     pt = np.asarray(engine.state.page_table[seq])
     slots = [pt[i // PS] * PS + i % PS for i in range(start, 64)]
     old = rows(engine.state)[slots].copy()
+    pool = rows(engine.state)
+    assert all((pool == row).all(axis=1).any() for row in old)  # the check below can fire
     released = set(pt[start // PS : -(-66 // PS)].tolist()) | set(engine.radix.pages())
     r = engine.submit(
         a,
@@ -218,16 +242,18 @@ def test_forget_purges_the_radix_and_zeroes_released_pages(model):
         assert not (pool == row).all(axis=1).any()
     rc = np.asarray(engine.state.refcount)
     free = [p for p in released if rc[p] == 0]  # what the purge and the cut let go of
-    assert free and not np.asarray(engine.state.c_kv)[:, free].any()
-    assert not np.asarray(engine.state.k_pe)[:, free].any()
+    assert free and not np.asarray(engine.state.moved)[:, free].any()
+    assert not np.asarray(engine.state.rotated)[:, free].any()
     check_refcounts(engine)
-    # the test can fail: the same rows are found while the radix still held them
     b = engine.open_session()
     rb = engine.submit(b, prompt, sampling=SamplingParams(max_new_tokens=1))
     rb.result()
     assert rb.stats.reused_tokens <= start // PS * PS
+    # B recomputed the original tokens' KV: to rounding (its chunks differ from A's, and on
+    # some CPUs XLA's matmul blocking follows the chunk size), not bit for bit
     pool = rows(engine.state)
-    assert (pool == old[-1]).all(axis=1).any()  # B recomputed the original tokens' KV
+    near = np.abs(pool - old[-1]).max(axis=1) <= 1e-5 * np.abs(old[-1]).max()
+    assert near.any()
 
 
 def test_bad_directive_fails_that_turn_only(model):
@@ -247,6 +273,7 @@ def test_bad_directive_fails_that_turn_only(model):
         engine.submit(s, [10**6])
 
 
+@on_both_families
 def test_pool_exhaustion_16_sessions(model, alone):
     """16 sessions on a pool far too small for all of them at once: nothing crashes, the one
     turn that can never fit fails with a clear error, every other turn completes with the
@@ -447,7 +474,7 @@ def test_a_step_reads_only_the_sampled_tokens(model):
         engine.submit_prompt(first[2], SYSTEM + [5, 6]).result()
         if jax.default_backend() != "cpu":  # on CPU arrays are host memory: nothing to guard
             with pytest.raises(Exception, match="[Dd]isallowed"):
-                np.asarray(engine.state.c_kv)
+                np.asarray(engine.state.moved)
     assert all(len(r.result()) == 3 for r in reqs)
 
 

@@ -118,8 +118,8 @@ def fresh_kv(model, tokens: list[int]):
 def session_kv(state, seq: int, n: int):
     row = np.asarray(state.page_table)[seq]
     slots = row[np.arange(n) // PS] * PS + np.arange(n) % PS
-    c = np.asarray(state.c_kv).reshape(state.num_layers, -1, state.c_kv.shape[-1])[:, slots]
-    k = np.asarray(state.k_pe).reshape(state.num_layers, -1, state.k_pe.shape[-1])[:, slots]
+    c = np.asarray(state.moved).reshape(state.num_layers, -1, state.moved.shape[-1])[:, slots]
+    k = np.asarray(state.rotated).reshape(state.num_layers, -1, state.rotated.shape[-1])[:, slots]
     return c, k
 
 

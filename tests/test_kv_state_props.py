@@ -90,8 +90,8 @@ def test_random_operations_keep_invariants(small_model, steps, seed):
         rc = np.asarray(state.refcount)
         shared = np.flatnonzero(rc > 1)
         shared_kv = (
-            np.asarray(state.c_kv)[:, shared].copy(),
-            np.asarray(state.k_pe)[:, shared].copy(),
+            np.asarray(state.moved)[:, shared].copy(),
+            np.asarray(state.rotated)[:, shared].copy(),
         )
         free_pages = int((rc == 0).sum())
         kind = step[0]
@@ -143,5 +143,5 @@ def test_random_operations_keep_invariants(small_model, steps, seed):
         state = call(state)
         apply()
         check_invariants(state, seqs)
-        np.testing.assert_array_equal(np.asarray(state.c_kv)[:, shared], shared_kv[0])
-        np.testing.assert_array_equal(np.asarray(state.k_pe)[:, shared], shared_kv[1])
+        np.testing.assert_array_equal(np.asarray(state.moved)[:, shared], shared_kv[0])
+        np.testing.assert_array_equal(np.asarray(state.rotated)[:, shared], shared_kv[1])

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import FAMILIES, random_tokens
+from conftest import DECODERS, random_tokens
 from flax import nnx
 from test_parity import assert_logits_match, rel_err
 
@@ -61,7 +61,7 @@ def run_paged(model, page_size, prompts, conts, num_pages=None):
     return state, [np.stack(g) for g in got]
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", DECODERS)
 @pytest.mark.parametrize("page_size", [1, 16, 7])
 def test_paged_matches_full_forward_and_hf_cache(name, page_size, hf_ckpt, hf_model):
     path = hf_ckpt(name)
@@ -90,8 +90,8 @@ def test_chunked_prefill_equals_one_shot(np_ckpt):
     # the cached latent itself agrees: the same slots of both sequences hold the same KV
     pt = np.asarray(state.page_table)
     for layer in range(model.config.num_hidden_layers):
-        a = np.asarray(state.c_kv[layer])[pt[0, :19]].reshape(-1, 32)[:301]
-        b = np.asarray(state.c_kv[layer])[pt[1, :19]].reshape(-1, 32)[:301]
+        a = np.asarray(state.moved[layer])[pt[0, :19]].reshape(-1, 32)[:301]
+        b = np.asarray(state.moved[layer])[pt[1, :19]].reshape(-1, 32)[:301]
         assert rel_err(a, b) <= 1e-5
 
 
@@ -106,7 +106,7 @@ def test_fork_shares_pages_and_diverges_safely(np_ckpt):
     pt, rc = np.asarray(state.page_table), np.asarray(state.refcount)
     np.testing.assert_array_equal(pt[0, :3], pt[1, :3])
     assert (rc[pt[0, :3]] == 2).all() and rc.sum() == 6
-    shared = np.asarray(state.c_kv)[:, pt[0, :3]].copy()
+    shared = np.asarray(state.moved)[:, pt[0, :3]].copy()
 
     # reference: what sequence 0 sees after these tokens, computed on an unshared pool
     ref_state = ll.init_state(
@@ -121,7 +121,7 @@ def test_fork_shares_pages_and_diverges_safely(np_ckpt):
     state, a = ll.prefill(model, state, 0, [7, 8, 9])
     np.testing.assert_array_equal(np.asarray(a), np.asarray(ref_a))
     # the pages that were shared at fork time were never written
-    np.testing.assert_array_equal(np.asarray(state.c_kv)[:, pt[0, :2]], shared[:, :2])
+    np.testing.assert_array_equal(np.asarray(state.moved)[:, pt[0, :2]], shared[:, :2])
     state, d = ll.decode(model, state, [0, 1], [5, 6])
     full0 = np.asarray(model(np.concatenate([prompt, [7, 8, 9, 5]])))[-1]
     full1 = np.asarray(model(np.concatenate([prompt, [100, 101, 6]])))[-1]
@@ -148,7 +148,7 @@ def test_unused_pages_are_never_read(np_ckpt, kv_dtype):
                     kv.to_storage(jnp.full(a.shape, jnp.nan), dt)
                     for a in getattr(state.pools, name)
                 )
-                for name, dt in (("c_kv", state.kv_dtype), ("k_pe", state.k_pe_dtype))
+                for name, dt in (("moved", state.moved_dtype), ("rotated", state.rotated_dtype))
             }
             state = state.replace(pools=dataclasses.replace(state.pools, **nan))
         state, a = ll.prefill(model, state, 0, prompt)

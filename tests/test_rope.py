@@ -12,6 +12,7 @@ from conftest import ALL_CONFIGS, ALL_NAMES
 
 import leyline_jax as ll
 from leyline_jax import rope
+from leyline_jax.loader import config_from_hf
 from pallas_kernels.splice_rotate import splice_rotate_ref
 
 
@@ -44,7 +45,7 @@ def test_hand_worked_quarter_turn():
 @pytest.mark.parametrize("name", ALL_NAMES)
 def test_inv_freq_matches_hf(name, hf_ckpt, hf_model):
     model = hf_model(hf_ckpt(name))
-    ours = rope.inv_freq(ll.MLAConfig.from_hf(ALL_CONFIGS[name]))
+    ours = rope.inv_freq(config_from_hf(ALL_CONFIGS[name]))
     ref = model.model.rotary_emb.inv_freq.numpy()
     np.testing.assert_allclose(ours, ref, rtol=2e-7)  # same fp32 ops: at most an ulp apart
 

@@ -1,0 +1,290 @@
+"""The grouped-query attention (GQA) family: Llama-style decoders (SmolLM2, Llama 2/3 layouts).
+
+One module holds the family: its config (`GQAConfig`, from a `LlamaForCausalLM` `config.json`
+or a GGUF file's metadata), its attention module (`GQAAttention`: q/k/v/o projections,
+`num_key_value_heads` KV heads, RoPE on the whole head dimension), its Hugging Face tensor table
+and converter. The decoder around it (RMSNorm, SwiGLU MLP, tied or separate LM head) is the
+shared `leyline_jax.model.CausalLM`; the paged state, the ragged step, the splice kernel and the
+directives are the same as MLA's, asked through the seam (`kv_bands`, `rope_inv_freq`,
+`attention`).
+
+Bands. In GQA all of K carries position: a splice moves V unchanged and moves and rotates K.
+Each cached slot holds `[G, Dh]` of each (G KV heads, one row per head, each row of K in the
+halves layout that Hugging Face's `rotate_half` uses), so the splice kernel rotates K row by row
+with the head's own inverse frequencies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from leyline_jax import kv_state as kv
+from leyline_jax import rope
+from leyline_jax.config import Bands, ConfigError, read_hf_config
+from leyline_jax.model import Linear
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+
+MODEL_TYPES = ("llama",)
+
+
+@dataclasses.dataclass(frozen=True)
+class GQAConfig:
+    """Static description of a Llama-style GQA decoder (fields as in `LlamaConfig`)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    rope_theta: float = 10000.0
+
+    def __post_init__(self):
+        if self.model_type not in MODEL_TYPES:
+            raise ConfigError(f"model_type={self.model_type!r} is not one of {MODEL_TYPES}")
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise ConfigError(f"{name}={v!r} must be a positive integer")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim={self.head_dim} must be even (RoPE pairs dimensions)")
+        if not self.rope_theta > 0 or not self.rms_norm_eps > 0:
+            raise ConfigError("rope_theta and rms_norm_eps must be positive")
+
+    # what `leyline_jax.rope` reads: RoPE on the whole head, no scaling
+    qk_rope_head_dim = property(lambda self: self.head_dim)
+    rope_type = "default"
+    rope_scale = 1.0
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.head_dim**-0.5
+
+    @property
+    def groups(self) -> int:
+        """Query heads per KV head."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    def is_sparse(self, layer: int) -> bool:
+        return False  # dense SwiGLU MLPs only
+
+    # ---- the attention family's seam -------------------------------------------------------
+    def kv_bands(self) -> Bands:
+        """GQA caches V (moved) and K (rotated), one row per KV head."""
+        shape = (self.num_key_value_heads, self.head_dim)
+        return Bands(moved=shape, rotated=shape)
+
+    def rope_inv_freq(self) -> np.ndarray:
+        """f32[head_dim / 2]: the inverse frequencies of one row (one head) of K."""
+        return rope.inv_freq(self)
+
+    def attention(self, dtype) -> GQAAttention:
+        return GQAAttention(self, dtype)
+
+    # ---- (de)serialisation -------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> GQAConfig:
+        return cls(**dict(d))
+
+    @classmethod
+    def from_hf(cls, path_or_dict: str | os.PathLike | Mapping[str, Any]) -> GQAConfig:
+        """From a `LlamaForCausalLM` `config.json` (directory, file or dict). Fields the model
+        cannot honour (biases, RoPE scaling, a sliding window) raise `ConfigError` naming them."""
+        hf = read_hf_config(path_or_dict)
+        if hf.get("model_type") not in MODEL_TYPES:
+            raise ConfigError(f"model_type {hf.get('model_type')!r} is not one of {MODEL_TYPES}")
+        for key in ("attention_bias", "mlp_bias"):
+            if hf.get(key):
+                raise ConfigError(f"{key}=true is not supported")
+        scaling = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        if kind != "default":
+            raise ConfigError(f"rope_scaling type {kind!r} is not supported (default RoPE only)")
+        theta = scaling.get("rope_theta", hf.get("rope_theta", 10000.0))
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"hidden_act={act!r} is not supported (silu only)")
+        if hf.get("pretraining_tp", 1) not in (1, None):
+            raise ConfigError("pretraining_tp != 1 is not supported")
+        try:
+            n, h = int(hf["num_attention_heads"]), int(hf["hidden_size"])
+            return cls(
+                model_type=hf["model_type"],
+                vocab_size=int(hf["vocab_size"]),
+                hidden_size=h,
+                intermediate_size=int(hf["intermediate_size"]),
+                num_hidden_layers=int(hf["num_hidden_layers"]),
+                num_attention_heads=n,
+                num_key_value_heads=int(hf.get("num_key_value_heads") or n),
+                head_dim=int(hf.get("head_dim") or h // n),
+                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                rope_theta=float(theta),
+            )
+        except KeyError as e:
+            raise ConfigError(f"config.json lacks {e.args[0]!r}") from e
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"config.json has a bad value: {e}") from e
+
+
+@functools.lru_cache(maxsize=32)
+def _inv_freq(config: GQAConfig) -> np.ndarray:
+    return config.rope_inv_freq()
+
+
+def gqa_attention(q, k, v, mask, scale: float):
+    """[T, N, D] queries over [S, G, D] keys and values (query head n reads KV head
+    n // (N / G)); bool[T, S] mask -> [T, N, D]. Scores and softmax in fp32."""
+    t, n, d = q.shape
+    g = k.shape[1]
+    qg = q.reshape(t, g, n // g, d)
+    s = jnp.einsum("tgnd,sgd->gnts", qg, k, preferred_element_type=jnp.float32) * scale
+    s = jnp.where(mask[None, None], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+    return jnp.einsum("gnts,sgd->tgnd", p, v).reshape(t, n, d)
+
+
+class GQAAttention(nnx.Module):
+    def __init__(self, config: GQAConfig, dtype):
+        c = config
+        self.config = c
+        n, g, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_proj = Linear(c.hidden_size, n * d, dtype)
+        self.k_proj = Linear(c.hidden_size, g * d, dtype)
+        self.v_proj = Linear(c.hidden_size, g * d, dtype)
+        self.o_proj = Linear(n * d, c.hidden_size, dtype)
+
+    def qkv(self, x, positions):
+        """[T, H], i32[T] -> q [T, N, D], k [T, G, D] (both position embedded), v [T, G, D]."""
+        c = self.config
+        t, inv = x.shape[0], _inv_freq(c)
+        q = self.q_proj(x).reshape(t, c.num_attention_heads, c.head_dim)
+        k = self.k_proj(x).reshape(t, c.num_key_value_heads, c.head_dim)
+        v = self.v_proj(x).reshape(t, c.num_key_value_heads, c.head_dim)
+        q = rope.apply_rope(q, positions, inv, 1.0, heads_axis=True)
+        k = rope.apply_rope(k, positions, inv, 1.0, heads_axis=True)
+        return q, k, v
+
+    def output(self, o):
+        """[T, N, D] -> [T, H]."""
+        return self.o_proj(o.reshape(*o.shape[:-2], -1))
+
+    def paged(self, x, positions, pools: kv.KVPools, layer: int, slots, meta):
+        """Attention over the paged cache (same contract as `MLAAttention.paged`): writes the new
+        tokens' V (moved band) and K (rotated band) to `slots` of layer `layer`, then attends
+        through `ragged_paged_attention`'s grouped form."""
+        q, k, v = self.qkv(x, positions)
+        pools = kv.write_kv(pools, layer, slots, v, k)
+        out = ragged_paged_attention(
+            None,
+            q,
+            pools.moved[layer],
+            pools.rotated[layer],
+            *meta,
+            scale=self.config.softmax_scale,
+            kv_dtype=pools.moved_dtype,
+            k_pe_dtype=pools.rotated_dtype,
+        )
+        return self.output(out.astype(x.dtype)), pools
+
+    def __call__(self, x, positions):
+        """Causal self-attention over one whole sequence: [T, H], i32[T] -> [T, H]."""
+        q, k, v = self.qkv(x, positions)
+        t = x.shape[0]
+        o = gqa_attention(q, k, v, jnp.tril(jnp.ones((t, t), bool)), self.config.softmax_scale)
+        return self.output(o)
+
+
+# ---- Hugging Face checkpoints ------------------------------------------------------------------
+def hf_tensor_shapes(config: GQAConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a `LlamaForCausalLM` checkpoint of this config holds (`[out, in]`)."""
+    c = config
+    h, n, g, d = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (c.vocab_size, h),
+        "model.norm.weight": (h,),
+    }
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, h)
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}"
+        shapes[f"{p}.input_layernorm.weight"] = (h,)
+        shapes[f"{p}.post_attention_layernorm.weight"] = (h,)
+        shapes[f"{p}.self_attn.q_proj.weight"] = (n * d, h)
+        shapes[f"{p}.self_attn.k_proj.weight"] = (g * d, h)
+        shapes[f"{p}.self_attn.v_proj.weight"] = (g * d, h)
+        shapes[f"{p}.self_attn.o_proj.weight"] = (h, n * d)
+        shapes[f"{p}.mlp.gate_proj.weight"] = (c.intermediate_size, h)
+        shapes[f"{p}.mlp.up_proj.weight"] = (c.intermediate_size, h)
+        shapes[f"{p}.mlp.down_proj.weight"] = (h, c.intermediate_size)
+    return shapes
+
+
+def convert_hf_params(
+    config: GQAConfig, tensors: Mapping[str, Any], dtype=jnp.float32
+) -> dict[str, Any]:
+    """Pure: flat dict of `LlamaForCausalLM` tensors (names and shapes already checked by the
+    loader) -> nested params of `CausalLM`: linear weights transposed to `[in, out]`, cast to
+    `dtype`. Hugging Face's q/k rows are already in the halves layout (`rotate_half`)."""
+
+    def get(name):
+        return np.asarray(tensors[name]).astype(dtype)
+
+    def linear(name):
+        return {"kernel": get(name).T}
+
+    layers = {}
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}"
+        layers[i] = {
+            "input_norm": {"weight": get(f"{p}.input_layernorm.weight")},
+            "post_attention_norm": {"weight": get(f"{p}.post_attention_layernorm.weight")},
+            "attn": {
+                name: linear(f"{p}.self_attn.{name}.weight")
+                for name in ("q_proj", "k_proj", "v_proj", "o_proj")
+            },
+            "mlp": {
+                name: linear(f"{p}.mlp.{name}.weight")
+                for name in ("gate_proj", "up_proj", "down_proj")
+            },
+        }
+    params: dict[str, Any] = {
+        "embed": get("model.embed_tokens.weight"),
+        "layers": layers,
+        "final_norm": {"weight": get("model.norm.weight")},
+    }
+    if not config.tie_word_embeddings:
+        params["lm_head"] = linear("lm_head.weight")
+    return params
