@@ -266,7 +266,7 @@ def main(argv=None) -> None:
     ap.add_argument("--hf", action="store_true", help="write with transformers (needs torch)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    for family, cfg in TINY_HF_CONFIGS.items():
+    for family, cfg in {**TINY_HF_CONFIGS, **TINY_GQA_CONFIGS}.items():
         path = Path(args.out) / family
         if args.hf:
             make_hf_checkpoint(path, cfg, seed=args.seed)

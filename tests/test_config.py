@@ -133,3 +133,37 @@ def test_frozen_and_replace():
         c.hidden_size = 1
     with pytest.raises(ll.ConfigError, match="mlp_layer_types"):
         dataclasses.replace(c, num_hidden_layers=5)
+
+
+# ---- the GQA family ---------------------------------------------------------------------------
+def test_gqa_config_from_hf():
+    c = ll.GQAConfig.from_hf(ALL_CONFIGS["llama"])
+    assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.groups) == (4, 2, 16, 2)
+    assert c.softmax_scale == pytest.approx(16**-0.5) and c.tie_word_embeddings
+    assert c.kv_bands().moved == c.kv_bands().rotated == (2, 16)  # V moves, K rotates
+    assert c.rope_inv_freq().shape == (8,)
+    assert ll.GQAConfig.from_dict(c.to_dict()) == c
+    # the loader picks the family by model_type
+    from leyline_jax.loader import config_from_hf
+
+    assert config_from_hf(ALL_CONFIGS["llama"]) == c
+    assert isinstance(config_from_hf(ALL_CONFIGS["deepseek_v3"]), ll.MLAConfig)
+
+
+@pytest.mark.parametrize(
+    "change, needle",
+    [
+        ({"model_type": "mistral"}, "model_type"),
+        ({"attention_bias": True}, "attention_bias"),
+        ({"mlp_bias": True}, "mlp_bias"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling"),
+        ({"num_key_value_heads": 3}, "num_key_value_heads"),
+        ({"head_dim": 15}, "head_dim"),
+        ({"num_hidden_layers": 0}, "num_hidden_layers"),
+        ({"vocab_size": None}, "bad value"),
+    ],
+)
+def test_gqa_refusals_name_the_field(change, needle):
+    with pytest.raises(ll.ConfigError, match=needle):
+        ll.GQAConfig.from_hf({**ALL_CONFIGS["llama"], **change})

@@ -151,43 +151,14 @@ def test_package_path_when_not_installed(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    try:
-        return lg.smollm2_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
+def ours(smollm2_gguf):
+    return smollm2_gguf
 
 
 @pytest.fixture(scope="module")
-def ours(smollm2):
-    return lg.read_gguf(smollm2)
-
-
-@pytest.fixture(scope="module")
-def reference(smollm2):
-    """(config, state dict as numpy) from transformers' own GGUF loading.
-
-    `from_pretrained(gguf_file=...)` refuses to run without `accelerate`; for a llama file it
-    gets its tensors from `load_gguf_checkpoint` (the GGUF quantizer's legacy path), so without
-    accelerate that is called directly, with a meta-device model for the name mapping.
-    """
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    folder, name = str(smollm2.parent), smollm2.name
-    config = transformers.AutoConfig.from_pretrained(folder, gguf_file=name)
-    if importlib.util.find_spec("accelerate"):
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            folder, gguf_file=name, dtype=torch.float32
-        )
-        state = model.state_dict()
-    else:
-        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-        with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(config)
-        state = load_gguf_checkpoint(str(smollm2), return_tensors=True, model_to_load=model)
-        state = state["tensors"]
-    return config, {k: v.float().numpy() for k, v in state.items()}
+def reference(smollm2_hf):
+    """(config, state dict as numpy) from transformers' own GGUF loading."""
+    return smollm2_hf.config, {k: v.float().numpy() for k, v in smollm2_hf.state_dict().items()}
 
 
 def test_smollm2_tensors_match_transformers(ours, reference):
@@ -223,9 +194,9 @@ def test_smollm2_config_matches_transformers(ours, reference):
     assert config["rms_norm_eps"] == pytest.approx(ref.rms_norm_eps, rel=1e-6)
 
 
-def test_smollm2_permutation_matters(smollm2, reference):
+def test_smollm2_permutation_matters(smollm2_file, reference):
     _, ref = reference
-    reader, config = lg._open(smollm2)
+    reader, config = lg._open(smollm2_file)
     by_name = {t.name: t for t in reader.tensors}
     for part, proj in (("attn_q", "q_proj"), ("attn_k", "k_proj")):
         t, want = by_name[f"blk.0.{part}.weight"], ref[f"model.layers.0.self_attn.{proj}.weight"]
@@ -233,14 +204,16 @@ def test_smollm2_permutation_matters(smollm2, reference):
         np.testing.assert_array_equal(lg._dequantize(t, config), want, err_msg=proj)
 
 
-def test_smollm2_tokenizer_matches_transformers(smollm2):
+def test_smollm2_tokenizer_matches_transformers(smollm2_file, smollm2_tokenizer):
     transformers = pytest.importorskip("transformers")
-    tok = lg.gguf_tokenizer(smollm2)
-    ref = transformers.AutoTokenizer.from_pretrained(str(smollm2.parent), gguf_file=smollm2.name)
+    tok = smollm2_tokenizer
+    ref = transformers.AutoTokenizer.from_pretrained(
+        str(smollm2_file.parent), gguf_file=smollm2_file.name
+    )
     ids = tok.encode(TEXT).ids
     assert ids == ref(TEXT).input_ids
     assert ids[:4] == [19556, 28, 905, 17]  # "Hello", ",", " world", "!"
     assert tok.token_to_id("<|im_start|>") == 1 and tok.token_to_id("<|im_end|>") == 2
     assert tok.decode(ids, skip_special_tokens=False) == TEXT
-    template = lg.chat_template(smollm2)
+    template = lg.chat_template(smollm2_file)
     assert template is not None and "<|im_start|>" in template

@@ -205,6 +205,16 @@ def test_orbax_roundtrip(tmp_path, ckpt, dtype):
         save_params(tmp_path / "saved", model)
 
 
+def test_orbax_roundtrip_gqa(tmp_path, np_ckpt):
+    """A GQA model saves and restores as its own family (the config says which)."""
+    model = ll.load_model(np_ckpt("llama"))
+    save_params(tmp_path / "saved", model)
+    restored = restore_params(tmp_path / "saved")
+    assert isinstance(restored.config, ll.GQAConfig) and restored.config == model.config
+    tokens = random_tokens(48)
+    np.testing.assert_array_equal(np.asarray(restored(tokens)), np.asarray(model(tokens)))
+
+
 def test_orbax_missing(tmp_path):
     with pytest.raises(ll.CheckpointNotFoundError):
         restore_params(tmp_path / "nothing")

@@ -8,8 +8,8 @@ through our loader, against transformers loading the same file (fp32, eager atte
     downstream K re-rotated in float64). FORGET = fresh prefill is proven on the tiny GQA
     checkpoints (test_directives.py); the same code path serves this model.
 
-The 30-layer model is loaded once per test session (the dequantized weights are kept in the
-fixture); the tests are few and short (CI budget).
+The 30-layer model is read, dequantized and converted once per test session (conftest's
+`smollm2*` fixtures, shared with test_gguf.py); the tests are few and short (CI budget).
 """
 
 from __future__ import annotations
@@ -18,61 +18,33 @@ import importlib.metadata
 
 import numpy as np
 import pytest
-import torch
 from test_directives import hf_gqa_amortize_reference
 from test_parity import assert_logits_match, hf_logits, rel_err
 
 import leyline_jax as ll
-from leyline_jax import gguf
-from leyline_jax.loader import config_from_hf, convert_hf_params, model_from_params
+from leyline_jax.loader import convert_hf_params, model_from_params
 
 SEQ = 512
 
 
 @pytest.fixture(scope="session")
-def smollm2_file():
-    return gguf.smollm2_path()
-
-
-@pytest.fixture(scope="session")
-def smollm2(smollm2_file):
-    """Our model and the dequantized tensors it was made from (read once)."""
-    hf_config, tensors = gguf.read_gguf(smollm2_file)
-    config = config_from_hf(hf_config)
-    return model_from_params(config, convert_hf_params(config, tensors)), tensors
-
-
-@pytest.fixture(scope="session")
-def smollm2_hf(smollm2_file):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        str(smollm2_file.parent),
-        gguf_file=smollm2_file.name,
-        dtype=torch.float32,
-        attn_implementation="eager",
-    )
-    return model.eval()
-
-
-@pytest.fixture(scope="session")
-def real_text(smollm2_file):
+def real_text(smollm2_tokenizer):
     """512 token ids of real English text (a license file: stable with the pinned jax)."""
     (lic,) = [f for f in importlib.metadata.files("jax") if f.name == "LICENSE"]
-    ids = gguf.gguf_tokenizer(smollm2_file).encode(lic.read_text()).ids
+    ids = smollm2_tokenizer.encode(lic.read_text()).ids
     assert len(ids) >= SEQ
     return ids[:SEQ]
 
 
 def test_config_is_smollm2(smollm2):
-    c = smollm2[0].config
+    c = smollm2.config
     assert (c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads) == (30, 9, 3)
     assert (c.head_dim, c.rope_theta, c.vocab_size) == (64, 100000.0, 49152)
     assert c.tie_word_embeddings
 
 
-def test_logits_match_transformers_on_real_text(smollm2, smollm2_hf, real_text):
-    ours, tensors = smollm2
+def test_logits_match_transformers_on_real_text(smollm2, smollm2_gguf, smollm2_hf, real_text):
+    ours, tensors = smollm2, smollm2_gguf[1]
     ref = hf_logits(smollm2_hf, real_text)
     assert_logits_match(ours(np.asarray(real_text, np.int32)), ref)
     # the check can fail: keep llama.cpp's Q/K row order (interleaved RoPE pairs) instead of
@@ -97,8 +69,11 @@ def _state(model, n_pages=64):
 
 
 def test_directives_on_the_real_model(smollm2, smollm2_hf, real_text):
-    model = smollm2[0]
-    toks, new = real_text[:256], real_text[400:403]
+    """AMORTIZE on the real model against the transformers reference. The replacement and the
+    new tokens are both 9-16 tokens: one compiled step shape serves both (30 layers compile
+    slowly on CPU)."""
+    model = smollm2
+    toks, new = real_text[:256], real_text[400:412]
     start, end, rep = 40, 160, real_text[300:310]  # evict 120 tokens, 10 in their place
     state, _ = ll.prefill(model, _state(model), 0, toks)
     state = ll.apply_directive(model, state, 0, ll.Directive(start, end, rep))
@@ -106,5 +81,5 @@ def test_directives_on_the_real_model(smollm2, smollm2_hf, real_text):
     got = np.asarray(got)
     assert_logits_match(got, hf_gqa_amortize_reference(smollm2_hf, toks, start, end, rep, new))
     # and AMORTIZE is not FORGET (a fresh prefill of the edited text) here: the test can tell
-    fresh = np.asarray(model(np.asarray(toks[:start] + rep + toks[end:] + new, np.int32)))[-1]
+    fresh = hf_logits(smollm2_hf, toks[:start] + rep + toks[end:] + new)[-1]
     assert rel_err(got, fresh) > 1e-3
