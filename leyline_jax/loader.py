@@ -342,7 +342,12 @@ def load_model(
             raise CheckpointNotFoundError(f"GGUF file {path} does not exist")
         from leyline_jax import gguf
 
-        hf, tensors = gguf.read_gguf(path)
+        try:
+            hf, tensors = gguf.read_gguf(path)
+        except FileNotFoundError as e:
+            raise CheckpointNotFoundError(str(e)) from e
+        except ValueError as e:  # not a GGUF, another architecture, missing tensors
+            raise CheckpointError(str(e)) from e
         config = config_from_hf(hf)
     else:
         if not os.path.isdir(path):

@@ -217,3 +217,14 @@ def test_smollm2_tokenizer_matches_transformers(smollm2_file, smollm2_tokenizer)
     assert tok.decode(ids, skip_special_tokens=False) == TEXT
     template = lg.chat_template(smollm2_file)
     assert template is not None and "<|im_start|>" in template
+
+
+def test_load_model_errors_are_checkpoint_errors(tmp_path):
+    import leyline_jax as ll
+
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf file at all")
+    with pytest.raises(ll.CheckpointError, match="GGUF"):
+        ll.load_model(str(bad))
+    with pytest.raises(ll.CheckpointNotFoundError):
+        ll.load_model(str(tmp_path / "absent.gguf"))

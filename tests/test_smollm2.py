@@ -69,13 +69,15 @@ def _state(model, n_pages=64):
 
 
 def test_directives_on_the_real_model(smollm2, smollm2_hf, real_text):
-    """AMORTIZE on the real model against the transformers reference. The replacement and the
-    new tokens are both 9-16 tokens: one compiled step shape serves both (30 layers compile
-    slowly on CPU)."""
+    """AMORTIZE on the real model against the transformers reference. The prompt is prefilled
+    in 16-token chunks, and the replacement and the new tokens are 9-16 tokens too: one
+    compiled step shape serves all of them (30 layers compile slowly on CPU)."""
     model = smollm2
     toks, new = real_text[:256], real_text[400:412]
     start, end, rep = 40, 160, real_text[300:310]  # evict 120 tokens, 10 in their place
-    state, _ = ll.prefill(model, _state(model), 0, toks)
+    state = _state(model)
+    for a in range(0, len(toks), 16):
+        state, _ = ll.prefill(model, state, 0, toks[a : a + 16])
     state = ll.apply_directive(model, state, 0, ll.Directive(start, end, rep))
     _, got = ll.prefill(model, state, 0, new)
     got = np.asarray(got)
