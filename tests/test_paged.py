@@ -331,13 +331,15 @@ def test_a_step_never_copies_a_pool(np_ckpt, monkeypatch, tokens):
     model = ll.load_model(np_ckpt("deepseek_v3"))
     assert _step_bytes(model, 64, tokens) == _step_bytes(model, 4096, tokens)
     assert _splice_bytes(model, 64) == _splice_bytes(model, 4096)
-    attend = paged.ragged_paged_attention
+    from leyline_jax import model as mla
+
+    attend = mla.ragged_paged_attention
 
     def on_a_copy(q_lat, q_pe, c_kv, k_pe, *meta, **kw):
         return attend(q_lat, q_pe, jnp.flip(c_kv, 0), k_pe, *meta, **kw)
 
     paged._step.clear_cache()  # no trace of the real attention may serve the patched lowering
-    monkeypatch.setattr(paged, "ragged_paged_attention", on_a_copy)
+    monkeypatch.setattr(mla, "ragged_paged_attention", on_a_copy)
     try:
         (small, _), (big, _) = _step_bytes(model, 64, tokens), _step_bytes(model, 4096, tokens)
     finally:
