@@ -63,11 +63,24 @@ from serve.edits import edits_and_feed
 from serve.radix import RadixCache
 from serve.sampling import SamplingParams, is_int, sample
 
-__all__ = ["Engine", "Request", "RequestError", "SamplingParams", "Session", "TurnStats", "sample"]
+__all__ = [
+    "Engine",
+    "Request",
+    "RequestError",
+    "SamplingParams",
+    "Session",
+    "TurnCancelled",
+    "TurnStats",
+    "sample",
+]
 
 
 class RequestError(RuntimeError):
     """A turn that cannot be served (it never fits the pool or the sequence bound)."""
+
+
+class TurnCancelled(RuntimeError):
+    """A turn ended by `Engine.cancel` before it finished."""
 
 
 @dataclasses.dataclass
@@ -255,6 +268,29 @@ class Engine:
             raise ValueError(f"session {session} still has turns in flight")
         self._offload(s)
         del self.sessions[session]
+
+    def cancel(self, request: Request) -> bool:
+        """End a queued or running turn where it stands (between steps), failing it with
+        `TurnCancelled`; returns whether it was still live. Its session keeps what the turn did
+        so far, consistently (a turn cut mid-prefill leaves `tokens[:cached]` cached, like an
+        offloaded one) and the radix cache gets its clean prefix, as when a turn finishes. What
+        a server calls when its client goes away."""
+        if not isinstance(request, Request) or request.engine is not self:
+            raise ValueError("request must be a Request of this engine")
+        if request.finished:
+            return False
+        s = request.session
+        if request.status == "queued":
+            self._queued = [(o, r) for o, r in self._queued if r is not request]
+            if request in s.queue:
+                s.queue.remove(request)
+        else:
+            s.active = None
+            self._cache_prefix(s)
+        request.status, request.error = "failed", TurnCancelled("the turn was cancelled")
+        request.stats.finished(time.perf_counter())
+        self.counters["cancelled_turns"] += 1
+        return True
 
     def reset_prefix_cache(self) -> int:
         """Empty the radix prefix cache (like vLLM's `reset_prefix_cache`): the tree drops

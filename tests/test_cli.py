@@ -61,7 +61,8 @@ def test_cli_runs_real_text_with_smollm2(request, tmp_path):
     shows decoded text and the second turn's tool-output stub (AMORTIZE) reuses and splices.
     Compiled programs are kept in pytest's cache folder, so later runs skip compilation (the
     first compiles the 30-layer steps: about a minute on two CPU cores)."""
-    cache = request.config.cache.mkdir("leyline_xla") if request.config.cache else tmp_path
+    store = getattr(request.config, "cache", None)  # None under -p no:cacheprovider
+    cache = store.mkdir("leyline_xla") if store is not None else tmp_path
     args = ["--model", "smollm2", "--sessions", "1", "--turns", "2", "--max-new", "4"]
     args += ["--num-pages", "32", "--compile-cache", str(cache)]
     root = Path(__file__).resolve().parents[1]

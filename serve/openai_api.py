@@ -1,0 +1,279 @@
+"""The OpenAI-compatible request bodies `serve.http` accepts, and its error JSON.
+
+Bodies are pydantic models: a field that fails validation becomes a 400 whose error names it
+(`error.param`, a dotted path such as `messages.1.role`). Fields of the OpenAI API the server
+does not use (`frequency_penalty`, `user`, `metadata`, ...) are accepted and ignored, as
+OpenAI-compatible servers do; fields whose meaning it cannot honour (`n` > 1, `logprobs`,
+`echo`, non-text content parts) are refused by name.
+
+Our own fields, beside OpenAI's: `session_id` (also the `X-Session-Id` header) names the
+conversation the request continues, and `leyline` carries the edit channel's options
+(`LeylineOptions`: `mode` "amortize" (default) or "forget" for the edit the server finds by
+diffing the re-sent history against the session; `return_token_ids`: also return the prompt's
+and the completion's token ids).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+__all__ = [
+    "ChatCompletionRequest",
+    "CompletionRequest",
+    "LeylineOptions",
+    "Message",
+    "Tool",
+    "error_body",
+    "validation_param",
+]
+
+MAX_STOP = 4  # as OpenAI
+
+
+class _Open(BaseModel):
+    """OpenAI's objects: unknown fields are accepted (and ignored)."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class _Closed(BaseModel):
+    """Our own objects: an unknown field is a mistake, reported by name."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class FunctionCall(_Open):
+    name: str = Field(min_length=1)
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(_Open):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ContentPart(_Open):
+    type: str
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self):
+        if self.type != "text":
+            raise ValueError(f"content parts of type {self.type!r} are not supported (text only)")
+        if self.text is None:
+            raise ValueError("a text content part needs `text`")
+        return self
+
+
+class Message(_Open):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _content_or_calls(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs `content`")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry `tool_calls`")
+        return self
+
+    def as_chat_dict(self) -> dict:
+        """The dict `serve.chat.render` reads (role "developer" is a system message)."""
+        d: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role}
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(p.text or "" for p in content)
+        d["content"] = content or ""
+        if self.name is not None:
+            d["name"] = self.name
+        if self.tool_calls:
+            d["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": c.function.arguments},
+                }
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        return d
+
+
+class FunctionDef(_Open):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Open):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Open):
+    name: str = Field(min_length=1)
+
+
+class NamedToolChoice(_Open):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class StreamOptions(_Open):
+    include_usage: bool = False
+
+
+class LeylineOptions(_Closed):
+    mode: Literal["amortize", "forget"] = "amortize"
+    return_token_ids: bool = False
+
+
+def _stops(v):
+    if v is None:
+        return []
+    stops = [v] if isinstance(v, str) else list(v)
+    if len(stops) > MAX_STOP:
+        raise ValueError(f"at most {MAX_STOP} stop sequences")
+    if any(s == "" for s in stops):
+        raise ValueError("stop sequences must not be empty")
+    return stops
+
+
+class _Sampling(_Open):
+    model: str = Field(min_length=1)
+    temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
+    seed: int | None = Field(None, ge=0, lt=2**32)
+    n: int = Field(1, ge=1, le=1, description="only 1 is supported")
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logprobs: bool | int | None = None
+    session_id: str | None = Field(None, min_length=1, max_length=256)
+    leyline: LeylineOptions | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, v):
+        _stops(v)
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v):
+        if v not in (None, False, 0):
+            raise ValueError("logprobs are not supported")
+        return v
+
+    @property
+    def stops(self) -> list[str]:
+        return _stops(self.stop)
+
+    @property
+    def options(self) -> LeylineOptions:
+        return self.leyline or LeylineOptions()
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    def tool_choice_error(self) -> str | None:
+        """Why `tool_choice` is wrong, if it names a function `tools` lacks (checked by the
+        server, so that the error names the field)."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = {t.function.name for t in self.tools or []}
+            if self.tool_choice.function.name not in names:
+                return f"tool_choice names {self.tool_choice.function.name!r}, not in `tools`"
+        return None
+
+    @property
+    def max_new(self) -> tuple[int | None, str]:
+        """(the token budget asked for, the field that asked)."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1, le=1)
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v):
+        if isinstance(v, list) and v and not isinstance(v[0], int):
+            if len(v) != 1:
+                raise ValueError("batched prompts are not supported: send one prompt")
+            v = v[0]
+        if len(v) == 0:
+            raise ValueError("the prompt is empty")
+        if isinstance(v, list) and any(t < 0 for t in v):
+            raise ValueError("token ids must be >= 0")
+        return v
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v):
+        if v:
+            raise ValueError("echo is not supported")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v):
+        if v:
+            raise ValueError("suffix is not supported")
+        return v
+
+
+# ---- errors ---------------------------------------------------------------------------------
+def error_body(
+    message: str,
+    *,
+    param: str | None = None,
+    type_: str = "invalid_request_error",
+    code: str | None = None,
+) -> dict:
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+# pydantic names a union's member in the location ("prompt", "str"): not a field
+_UNION_TAGS = {
+    "str",
+    "int",
+    "float",
+    "bool",
+    "list[int]",
+    "list[str]",
+    "list[list[int]]",
+    "dict[str,any]",
+    "NamedToolChoice",
+    "literal['none','auto','required']",
+}
+
+
+def validation_param(loc) -> str:
+    """A dotted field path from a FastAPI validation error location (("body", "messages", 0,
+    "role") -> "messages.0.role"; the body itself -> "body")."""
+    parts = [str(p) for p in loc]
+    if parts and parts[0] == "body":
+        parts = parts[1:]
+    parts = [p for p in parts if p.replace(" ", "") not in _UNION_TAGS and "[" not in p]
+    return ".".join(parts) or "body"

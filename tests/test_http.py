@@ -1,0 +1,428 @@
+"""The OpenAI-compatible HTTP server (`serve.http`) against a live uvicorn on a free port, with
+the official `openai` client: chat with and without streaming, tools, completions, models,
+errors (status and the field named), concurrent sessions with edits whose tokens equal the same
+sessions run through the engine alone (greedy, fp32), usage that adds up, a client that goes
+away mid-stream, /metrics through prometheus_client's parser.
+
+The tiny default model (vocabulary 256) with DeepSeek's tokenizer and chat layout, ids taken
+modulo the vocabulary (`serve.http.ModVocabTokenizer`).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+import leyline_jax as ll  # noqa: E402
+from checkpoints.tiny import ensure_default_checkpoints  # noqa: E402
+from leyline_jax import kv_state  # noqa: E402
+from leyline_jax.directives import Mode  # noqa: E402
+from serve import chat  # noqa: E402
+from serve.engine import Engine, SamplingParams  # noqa: E402
+from serve.http import (  # noqa: E402
+    Backend,
+    ModVocabTokenizer,
+    OutputText,
+    ServerThread,
+    parse_tool_calls,
+)
+
+ENGINE = dict(num_pages=512, page_size=16, max_seqs=16, kv_dtype=jnp.float32)
+MODEL = "tiny"
+SYSTEM = "You are a terse assistant. Tool results arrive in tool messages."
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return ll.load_model(ensure_default_checkpoints(tmp_path_factory.mktemp("ckpt"))["deepseek_v3"])
+
+
+@pytest.fixture(scope="module")
+def base_tokenizer():
+    return chat.ChatTokenizer()
+
+
+@pytest.fixture(scope="module")
+def server(model, base_tokenizer):
+    backend = Backend.for_engine(Engine(model, **ENGINE), base_tokenizer, MODEL, max_queue=32)
+    with ServerThread(backend) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def wait_idle(server, timeout=60.0):
+    w = server.backend.worker
+    t0 = time.time()
+    while w.jobs or w.pending or not w.engine.idle():
+        assert time.time() - t0 < timeout, "the engine did not go idle"
+        time.sleep(0.05)
+
+
+def post(server, path, body, headers=None):
+    """(status, headers, parsed body) of a raw POST (bodies the client would refuse to send)."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(
+        server.url + path,
+        data=data,
+        headers={"Content-Type": "application/json", **(headers or {})},
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, dict(r.headers), r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read().decode()
+
+
+def usage_adds_up(u, completion: int | None = None):
+    extra = u.model_extra
+    cached = u.prompt_tokens_details.cached_tokens
+    assert cached == extra["reused_tokens"] + extra["spliced_tokens"]
+    assert cached + extra["prefilled_tokens"] == u.prompt_tokens
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+    if completion is not None:
+        assert u.completion_tokens == completion
+
+
+def ids(resp) -> dict:
+    return resp.model_extra["leyline"]
+
+
+# ---- endpoints ------------------------------------------------------------------------------
+def test_models_health_and_metrics_parse(server, client):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    with urllib.request.urlopen(server.url + "/health") as r:
+        assert r.status == 200 and json.loads(r.read()) == {"status": "ok"}
+    client.completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=2, temperature=0)
+    with urllib.request.urlopen(server.url + "/metrics") as r:
+        families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+    for name in (
+        "leyline_http_requests",
+        "leyline_prompt_tokens",
+        "leyline_queue_depth",
+        "leyline_free_pages",
+        "leyline_ttft_seconds",
+        "leyline_step_seconds",
+        "leyline_cache_hit_rate",
+    ):
+        assert name in families, name
+    prefilled = [
+        s.value
+        for s in families["leyline_prompt_tokens"].samples
+        if s.labels.get("source") == "prefilled" and s.name.endswith("_total")
+    ]
+    assert prefilled and prefilled[0] >= 4
+    assert families["leyline_free_pages"].samples[0].value > 0
+
+
+def test_chat_streaming_equals_non_streaming(server, client):
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi there!"}]
+    kw = dict(model=MODEL, messages=messages, max_tokens=6, temperature=0)
+    body = {"leyline": {"return_token_ids": True}}
+    r = client.chat.completions.create(**kw, extra_body=body)
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason in ("stop", "length")
+    usage_adds_up(r.usage, len(ids(r)["output_token_ids"]))
+
+    chunks = list(
+        client.chat.completions.create(
+            **kw, stream=True, stream_options={"include_usage": True}, extra_body=body
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == r.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == r.choices[0].finish_reason and not any(finishes[:-1])
+    last = chunks[-1]
+    assert last.choices == [] and last.usage.completion_tokens == r.usage.completion_tokens
+    usage_adds_up(last.usage)
+    assert last.model_extra["leyline"]["output_token_ids"] == ids(r)["output_token_ids"]
+    # the second identical request finds the prompt's whole pages in the radix cache
+    assert last.usage.prompt_tokens_details.cached_tokens >= 16
+
+    # the wire format: SSE data lines, the last one [DONE]
+    status, headers, raw = post(server, "/v1/chat/completions", {**kw, "stream": True})
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    data = [ln[len("data: ") :] for ln in raw.splitlines() if ln.startswith("data: ")]
+    assert data[-1] == "[DONE]" and json.loads(data[-2])["usage"]["prompt_tokens"] > 0
+
+
+def test_tools_render_and_parse(client, base_tokenizer):
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "Weather for a city",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ]
+    messages = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "rain"}'},
+    ]
+    body = {"leyline": {"return_token_ids": True}}
+    r = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=tools, tool_choice="auto", max_tokens=3,
+        temperature=0, extra_body=body,
+    )  # fmt: skip
+    tok = ModVocabTokenizer(base_tokenizer, 256)
+    expected = chat.render(tok, messages, tools).tokens
+    assert ids(r)["prompt_token_ids"] == expected and r.usage.prompt_tokens == len(expected)
+    with pytest.raises(openai.BadRequestError) as e:  # tool_choice naming no tool
+        client.chat.completions.create(
+            model=MODEL, messages=messages, tools=tools, max_tokens=2,
+            tool_choice={"type": "function", "function": {"name": "nope"}},
+        )  # fmt: skip
+    assert e.value.body["param"] == "tool_choice"
+
+    # DeepSeek V3 and V3.1 layouts and Hermes blocks parse back into tool_calls
+    v3 = (
+        f"Let me check.{chat.CALLS_BEGIN}{chat.CALL_BEGIN}function{chat.TOOL_SEP}get_weather\n"
+        f'```json\n{{"city": "Oslo"}}\n```{chat.CALL_END}{chat.CALLS_END}'
+    )
+    content, calls = parse_tool_calls(v3)
+    assert content == "Let me check." and len(calls) == 1
+    assert calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    v31 = f'{chat.CALLS_BEGIN}{chat.CALL_BEGIN}a{chat.TOOL_SEP}{{"x": 1}}{chat.CALL_END}'
+    v31 += f"{chat.CALL_BEGIN}b{chat.TOOL_SEP}{{}}{chat.CALL_END}"  # cut before CALLS_END
+    assert [c["function"]["name"] for c in parse_tool_calls(v31)[1]] == ["a", "b"]
+    hermes = 'ok<tool_call>\n{"name": "f", "arguments": {"q": 2}}\n</tool_call>'
+    content, calls = parse_tool_calls(hermes)
+    assert content == "ok" and json.loads(calls[0]["function"]["arguments"]) == {"q": 2}
+    assert parse_tool_calls("no calls here") == ("no calls here", [])
+
+    # streaming holds content back at a marker or a stop string that may be starting
+    class Chars:
+        def decode(self, ids):
+            return "".join(chr(i) for i in ids)
+
+    out = OutputText(Chars(), (), ["END"], ["<tool_call>"])
+    s = [ord(c) for c in "hi <tool"]
+    assert out.update(s) == "hi "
+    assert out.update(s + [ord(c) for c in "_call>{}"]) == ""
+    out = OutputText(Chars(), (), ["END"], [])
+    assert out.update([ord(c) for c in "abcE"]) == "abc"
+    assert out.update([ord(c) for c in "abcEND tail"]) == "" and out.stopped
+    assert out.text == "abc"
+
+
+def test_completions_text_and_token_ids(client):
+    r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=4,
+                                  temperature=0)  # fmt: skip
+    assert r.object == "text_completion" and r.usage.completion_tokens <= 4
+    usage_adds_up(r.usage)
+    body = {"leyline": {"return_token_ids": True}}
+    r1 = client.completions.create(
+        model=MODEL, prompt=[3, 1, 4, 1, 5, 9, 2, 6], max_tokens=4, temperature=0, extra_body=body
+    )
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=[3, 1, 4, 1, 5, 9, 2, 6], max_tokens=4, temperature=0,
+            stream=True, extra_body=body,
+        )
+    )  # fmt: skip
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == r1.choices[0].text
+    assert chunks[-1].model_extra["leyline"]["output_token_ids"] == ids(r1)["output_token_ids"]
+    usage_adds_up(chunks[-1].usage)
+
+
+# ---- bad input ------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "change, param",
+    [
+        ({"model": "gpt-4o"}, "model"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+        ({"messages": [{"role": "user"}]}, "messages.0"),
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"n": 2}, "n"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 10**6}, "max_tokens"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"leyline": {"mode": "sideways"}}, "leyline.mode"),
+        ({"leyline": {"typo": 1}}, "leyline.typo"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]},
+         "tools.0.function.name"),
+        ({"stream": "maybe"}, "stream"),
+    ],
+)  # fmt: skip
+def test_bad_chat_bodies_name_the_field(server, change, param):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    status, _, raw = post(server, "/v1/chat/completions", {**body, **change})
+    err = json.loads(raw)["error"]
+    assert status == 400 and err["param"] == param, err
+    assert err["type"] == "invalid_request_error" and err["message"]
+
+
+def test_bad_requests_through_the_client_and_raw(server, client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=[1, 2, 999], max_tokens=2)
+    assert e.value.status_code == 400 and e.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    assert e.value.body["param"] == "model" and e.value.body["code"] == "model_not_found"
+    status, _, raw = post(server, "/v1/chat/completions", b"{not json")
+    assert status == 400 and json.loads(raw)["error"]["param"] == "body"
+    status, _, raw = post(server, "/v1/chat/completions", [1, 2])
+    assert status == 400 and json.loads(raw)["error"]["param"] == "body"
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "session_id": "a"}
+    status, _, raw = post(server, "/v1/chat/completions", body, {"X-Session-Id": "b"})
+    assert status == 400 and json.loads(raw)["error"]["param"] == "session_id"
+    status, _, raw = post(server, "/v1/nowhere", {})
+    assert status == 404 and "error" in json.loads(raw)
+
+
+def test_a_full_queue_answers_429_with_retry_after(server, client):
+    worker = server.backend.worker
+    limit, worker.max_queue = worker.max_queue, 0
+    try:
+        with pytest.raises(openai.RateLimitError) as e:
+            client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2
+            )
+        assert e.value.status_code == 429 and e.value.response.headers["retry-after"]
+    finally:
+        worker.max_queue = limit
+
+
+def test_a_client_gone_mid_stream_frees_its_turn(server):
+    wait_idle(server)
+    worker = server.backend.worker
+    sessions = len(worker.engine.sessions)
+    cancelled = worker.engine.counters["cancelled_turns"]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "go on"}],
+            "max_tokens": 400, "temperature": 0, "stream": True}  # fmt: skip
+    req = urllib.request.Request(
+        server.url + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=60) as r:
+        for line in r:
+            if b'"content"' in line and b'"role"' not in line:
+                break  # a token has arrived: the turn is running; now hang up
+    wait_idle(server)
+    engine = worker.engine
+    assert engine.counters["cancelled_turns"] == cancelled + 1
+    assert len(engine.sessions) == sessions  # its own session closed: pages back
+    # refcounts exact: each page referenced once per page-table row and radix node holding it
+    want = kv_state.table_references(engine.state)
+    for p in engine.radix.pages():
+        want[p] += 1
+    np.testing.assert_array_equal(engine.state.refcount, want)
+
+
+# ---- sessions over HTTP equal the engine alone -------------------------------------------------
+TURNS = 6
+CLIENTS = 16
+
+
+def conversation(i: int, turn: int) -> tuple[str, str]:
+    return (
+        json.dumps({"session": i, "turn": turn, "result": "ok" * (3 + i + turn)}),
+        f"What did turn {turn} say?",
+    )
+
+
+def run_session(client, i: int, log: list, errors: list) -> None:
+    """Session i over HTTP: TURNS turns, each re-sending the whole history; sessions with
+    i % 4 in (1, 3) replace their first tool output by a stub at turn 3 (AMORTIZE), i % 4 == 2
+    the same with FORGET, and the edit stays in the history after; even turns stream."""
+    try:
+        messages = [{"role": "system", "content": SYSTEM}]
+        for turn in range(TURNS):
+            tool, user = conversation(i, turn)
+            messages += [{"role": "tool", "content": tool}, {"role": "user", "content": user}]
+            body = {"leyline": {"return_token_ids": True}}
+            if i % 4 and turn == 3:
+                messages[1]["content"] = "[evicted]"
+                body["leyline"]["mode"] = "forget" if i % 4 == 2 else "amortize"
+            kw = dict(
+                model=MODEL, messages=messages, max_tokens=3 + i % 2, temperature=0,
+                extra_headers={"X-Session-Id": f"s{i}"}, extra_body=body,
+            )  # fmt: skip
+            if turn % 2 == 0:
+                chunks = list(client.chat.completions.create(**kw, stream=True))
+                content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+                last = chunks[-1]
+                usage, extra = last.usage, last.model_extra["leyline"]
+            else:
+                r = client.chat.completions.create(**kw)
+                content, usage, extra = r.choices[0].message.content, r.usage, ids(r)
+            assert extra["session_id"] == f"s{i}"
+            usage_adds_up(usage, len(extra["output_token_ids"]))
+            log.append((turn, extra["prompt_token_ids"], extra["output_token_ids"], body, usage))
+            messages.append({"role": "assistant", "content": content})
+    except BaseException as e:  # reported by the test thread
+        errors.append((i, e))
+
+
+def test_concurrent_sessions_equal_the_engine_alone(server, client, model):
+    logs = {i: [] for i in range(CLIENTS)}
+    errors: list = []
+    threads = [
+        threading.Thread(target=run_session, args=(client, i, logs[i], errors))
+        for i in range(CLIENTS)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors, errors
+    # every session's turn through one engine alone, in the same order, from the same prompts
+    engine = Engine(model, **ENGINE)
+    spliced = 0
+    for i, turns in logs.items():
+        assert len(turns) == TURNS
+        sid = engine.open_session()
+        for turn, prompt, output, body, usage in turns:
+            mode = Mode.FORGET if body["leyline"].get("mode") == "forget" else Mode.AMORTIZE
+            sp = SamplingParams(max_new_tokens=3 + i % 2, stop_tokens=(1,))
+            req = engine.submit_prompt(sid, prompt, mode=mode, sampling=sp)
+            assert req.result() == output, (i, turn)
+            assert usage.prompt_tokens == len(prompt)
+            if turn and not body["leyline"].get("mode"):
+                # unedited: the re-sent history extends the session (the replies' sampled ids
+                # come back in place of their re-encoded text), so all of it is reused but the
+                # last sampled token, never fed
+                _, prev_prompt, prev_out, _, _ = turns[turn - 1]
+                n = len(prev_prompt) + len(prev_out)
+                assert prompt[:n] == prev_prompt + prev_out, (i, turn)
+                assert usage.model_extra["reused_tokens"] == len(prev_prompt) + len(prev_out) - 1
+            spliced += usage.model_extra["spliced_tokens"]
+    assert spliced > 0  # the AMORTIZE sessions spliced over HTTP
+    status, _, _ = post(server, "/v1/chat/completions", {})  # still serving
+    assert status == 400
+    req = urllib.request.Request(server.url + "/v1/sessions/s0", method="DELETE")
+    with urllib.request.urlopen(req) as r:
+        assert json.loads(r.read())["deleted"] is True
