@@ -411,6 +411,34 @@ def zero_slots(pools: KVPools, slots) -> KVPools:
     return pools.map(lambda a: a.at[page, off].set(0, mode="drop"))
 
 
+def read_pages(pools: KVPools, pages) -> tuple[jax.Array, jax.Array]:
+    """Every layer's two bands at whole pages `pages` (i32[K]; an id out of range is clipped),
+    stacked: (moved [L, K, page_size, *moved_shape], rotated [L, K, page_size, *rotated_shape])
+    in the storage dtypes (a 16-bit band's raw bits: copying them is bit-exact)."""
+
+    def take(band):
+        return jnp.stack([a.at[pages].get(mode="clip") for a in band])
+
+    return take(pools.moved), take(pools.rotated)
+
+
+def write_pages(
+    pools: KVPools,
+    pages,  # i32[K] destination pages; P drops
+    moved: jax.Array,  # [L, K, page_size, *moved_shape], moved's storage dtype
+    rotated: jax.Array,  # [L, K, page_size, *rotated_shape], rotated's storage dtype
+) -> KVPools:
+    """Overwrite whole pages with stored bits: layer l's page pages[k] <- moved[l, k] and
+    rotated[l, k] (the inverse of `read_pages`, bit-exact)."""
+
+    def put(band, rows):
+        return tuple(a.at[pages].set(rows[i], mode="drop") for i, a in enumerate(band))
+
+    return dataclasses.replace(
+        pools, moved=put(pools.moved, moved), rotated=put(pools.rotated, rotated)
+    )
+
+
 def write_kv(
     pools: KVPools,
     layer: int,

@@ -78,6 +78,10 @@ def _step(graphdef, params, pools, cow_src, cow_dst, tokens, positions, slots, m
 
 
 _zero = jax.jit(kv.zero_pages, donate_argnums=0)
+_read_pages = jax.jit(kv.read_pages)
+_write_pages = jax.jit(kv.write_pages, donate_argnums=0)
+# `read_pages` / `load_pages` move pages in blocks of at most this many (each bucketed)
+PAGE_BLOCK = 256
 
 
 # ---- host planning --------------------------------------------------------------------------
@@ -365,19 +369,94 @@ def release(state: PagedKVState, pages, *, zero: bool = False) -> PagedKVState:
     return state
 
 
-def adopt(state: PagedKVState, seq: int, pages, tokens) -> PagedKVState:
+def adopt(state: PagedKVState, seq: int, pages, tokens, *, partial: bool = False) -> PagedKVState:
     """Open `seq` as the `len(tokens)` tokens whose KV is held in the full pages `pages` (a
-    prefix cache hit): the sequence shares those pages and appends after them."""
+    prefix cache hit): the sequence shares those pages and appends after them. With `partial`
+    the last page may be partly filled (a sequence restored from a snapshot): the sequence
+    appends into it, copying it first while anyone else references it (copy on write)."""
     seq = kv.check_seq(state, seq, must_be_open=False)
     if state.active[seq]:
         raise SequenceError(f"sequence {seq} is already open")
     p = check_ids(pages, state.num_pages, "page id", allow_empty=True)
     tokens = check_tokens(tokens, state.vocab_size, allow_empty=True)
-    if len(tokens) != len(p) * state.page_size or len(tokens) > state.max_seq_len:
+    if len(tokens) > state.max_seq_len:
+        raise ValueError(f"{len(tokens)} adopted tokens exceed max_seq_len={state.max_seq_len}")
+    if partial:
+        if len(p) != -(-len(tokens) // state.page_size) or len(np.unique(p)) != len(p):
+            raise ValueError("adopted tokens must fill the given distinct pages, the last in part")
+    elif len(tokens) != len(p) * state.page_size:
         raise ValueError("adopted tokens must fill the given pages exactly")
     if (state.refcount[p] == 0).any():
         raise ValueError("adopted pages must be pages in use")
     return kv.adopt_prefix(state, seq, p, tokens)
+
+
+def read_pages(state: PagedKVState, pages) -> tuple[np.ndarray, np.ndarray]:
+    """Host copies of whole pages (ids in [0, num_pages), any order, repeats allowed): every
+    layer's (moved [L, K, page_size, *moved_shape], rotated [L, K, page_size, *rotated_shape])
+    in the storage dtypes, so a 16-bit band comes back as its raw bits (uint16) and
+    `load_pages` puts it back bit-exact. The state is not donated; this reads the device (what
+    a snapshot of the pools needs), in blocks of `PAGE_BLOCK` pages, each bucketed."""
+    p = check_ids(pages, state.num_pages, "page id", allow_empty=True)
+    shapes = [(a.shape[1:], a.dtype) for a in (state.pools.moved[0], state.pools.rotated[0])]
+    parts: tuple[list, list] = ([], [])
+    for a in range(0, len(p), PAGE_BLOCK):
+        block = p[a : a + PAGE_BLOCK]
+        got = _read_pages(state.pools, jnp.asarray(_pad(block, bucket(len(block)), 0)))
+        with jax.transfer_guard_device_to_host("allow"):  # the read this function is for
+            for part, band in zip(parts, got, strict=True):
+                part.append(np.asarray(band)[:, : len(block)])
+    return tuple(
+        np.concatenate(part, axis=1) if part else np.zeros((state.num_layers, 0, *shape), dtype)
+        for part, (shape, dtype) in zip(parts, shapes, strict=True)
+    )
+
+
+def _pages_block(arr: np.ndarray, start: int, n: int, size: int) -> jax.Array:
+    """arr[:, start : start + n] ([L, K, ...] host pages) padded with zeros to `size` pages."""
+    out = np.zeros((arr.shape[0], size, *arr.shape[2:]), arr.dtype)
+    out[:, :n] = arr[:, start : start + n]
+    return jnp.asarray(out)
+
+
+def load_pages(
+    state: PagedKVState, moved: np.ndarray, rotated: np.ndarray
+) -> tuple[PagedKVState, np.ndarray]:
+    """Write K host pages (`read_pages`' arrays: moved [L, K, page_size, *moved_shape] and
+    rotated [L, K, page_size, *rotated_shape], in the storage dtypes) into the K lowest free
+    pages, bit-exact. Returns the state and i32[K] the pages written, each holding one
+    reference taken like `retain`'s: open sequences on them (`adopt`) or hand them to a prefix
+    cache, then drop it with `release`. Raises ValueError for arrays whose shapes or dtypes are
+    not the pools', OutOfPagesError when fewer than K pages are free, before anything changes.
+    Donates `state`."""
+    moved, rotated = np.asarray(moved), np.asarray(rotated)
+    k = moved.shape[1] if moved.ndim > 1 else -1
+    for name, arr, pool in (
+        ("moved", moved, state.pools.moved),
+        ("rotated", rotated, state.pools.rotated),
+    ):
+        want = (state.num_layers, k, *pool[0].shape[1:])
+        if arr.shape != want or arr.dtype != pool[0].dtype:
+            raise ValueError(
+                f"{name} pages of shape {arr.shape} and dtype {arr.dtype} do not fit the pools: "
+                f"{want} of {pool[0].dtype} needed (K = the moved band's second dimension)"
+            )
+    free = kv.free_pages(state)
+    if k > len(free):
+        raise OutOfPagesError(
+            f"loading {k} pages needs {k} free pages; {len(free)} of {state.num_pages} are free"
+        )
+    pages = free[:k]
+    pools = state.pools
+    for a in range(0, k, PAGE_BLOCK):
+        n = min(PAGE_BLOCK, k - a)
+        b = bucket(n)
+        dst = jnp.asarray(_pad(pages[a : a + n], b, state.num_pages))
+        pools = _write_pages(
+            pools, dst, _pages_block(moved, a, n, b), _pages_block(rotated, a, n, b)
+        )
+    state = state.replace(pools=pools)
+    return kv.retain_pages(state, pages), pages.astype(np.int32)
 
 
 def compile_counts() -> dict[str, int]:
@@ -395,7 +474,9 @@ __all__ = [
     "fill",
     "fork",
     "free",
+    "load_pages",
     "prefill",
+    "read_pages",
     "release",
     "retain",
     "adopt",

@@ -20,7 +20,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Sequence
 
-from leyline_jax.directives import Directive, Mode
+from leyline_jax.directives import Directive, Mode, apply_to_list
 
 MIN_KEEP = 16
 
@@ -80,3 +80,46 @@ def edits_and_feed(
         return ds, tail
     ds, tail = detect_edits(old, list(new)[:-1], mode=mode, min_keep=min_keep)
     return ds, tail + [int(new[-1])]
+
+
+def strongest(modes) -> Mode:
+    """FORGET if any of `modes` is FORGET (its guarantee covers an AMORTIZE edit's span too),
+    else AMORTIZE."""
+    return Mode.FORGET if any(m is Mode.FORGET for m in modes) else Mode.AMORTIZE
+
+
+def compose(
+    old: Sequence[int],
+    prompt: Sequence[int],
+    directives: Sequence[Directive] = (),
+    *,
+    mode: Mode = Mode.AMORTIZE,
+    min_keep: int = MIN_KEEP,
+) -> tuple[list[Directive], list[int]]:
+    """A whole prompt with explicit `directives` in the prompt's own coordinates (a valid,
+    sorted batch for `prompt`: `directives.validate`), against a session's tokens `old`:
+    (directives in old's coordinates, a tail of at least one token) with
+    `apply_to_list(old, ds) + tail == apply_to_list(prompt, directives)`.
+
+    When the prompt extends `old` (the session's tokens are its prefix: the history re-sent
+    as it was, plus the new turn), each directive is kept exactly, with its own mode: a
+    directive inside `old` as given, one reaching past `old`'s end cut at that end (the part
+    past it is the tail, which is prefilled anyway), one wholly in the tail applied to the tail.
+    Otherwise (the harness also edited the history itself), or when that would leave nothing to
+    feed, the edited prompt is diffed against `old` (`edits_and_feed`) in the strongest of
+    `mode` and the directives' modes: an explicit FORGET keeps its guarantee, at the cost of
+    re-prefilling from the first edit."""
+    old, prompt = [int(t) for t in old], [int(t) for t in prompt]
+    final = apply_to_list(prompt, directives)
+    if not directives:
+        return edits_and_feed(old, prompt, mode=mode, min_keep=min_keep)
+    n = len(old)
+    if prompt[:n] == old:
+        inside = [d for d in directives if d.start < n]
+        ds = [Directive(d.start, min(d.end, n), d.replacement, d.mode) for d in inside]
+        kept = len(apply_to_list(old, ds))
+        tail = final[kept:]
+        if tail and apply_to_list(old, ds) == final[:kept]:
+            return ds, tail
+    m = strongest([mode, *(d.mode for d in directives)])
+    return edits_and_feed(old, final, mode=m, min_keep=min_keep)

@@ -59,7 +59,7 @@ from leyline_jax.config import check_tokens
 from leyline_jax.directives import Mode
 from serve import budget, lineage
 from serve.budget import KVPlan, TurnPlan
-from serve.edits import edits_and_feed
+from serve.edits import compose
 from serve.radix import RadixCache
 from serve.sampling import SamplingParams, is_int, sample
 
@@ -232,16 +232,27 @@ class Engine:
         *,
         mode: Mode = Mode.AMORTIZE,
         sampling: SamplingParams | None = None,
+        directives: Sequence[ll.Directive] = (),
     ) -> Request:
         """Queue a turn given as the whole prompt (what an unmodified harness sends): when it
         runs, the difference from the session's tokens becomes directives in `mode` plus the
-        appended tail (`serve.edits.edits_and_feed`). Checked now like `submit`; `mode` must be
-        a `Mode` (ValueError)."""
+        appended tail (`serve.edits.edits_and_feed`). `directives` (an aware client's explicit
+        edits) are in the prompt's own coordinates: the turn's prompt is the prompt with them
+        applied, and when the prompt extends the session each is spliced exactly as given, in
+        its own mode (`serve.edits.compose`). Checked now like `submit`; `mode` must be a
+        `Mode` (ValueError); the directives against the prompt (DirectiveError)."""
         s, sampling = self._check_turn(session, sampling)
-        toks = check_tokens(prompt, self.model.config.vocab_size).tolist()
+        vocab = self.model.config.vocab_size
+        toks = check_tokens(prompt, vocab).tolist()
         if not isinstance(mode, Mode):
             raise ValueError(f"mode={mode!r} must be Mode.AMORTIZE or Mode.FORGET")
-        req = Request(self, s, [], (), sampling)
+        try:
+            ds = dv.validate(list(directives), len(toks), vocab)
+        except TypeError as e:
+            raise dv.DirectiveError(f"directives must be a sequence of Directive: {e}") from e
+        if not dv.apply_to_list(toks, ds):
+            raise dv.DirectiveError("the directives leave the prompt empty")
+        req = Request(self, s, [], ds, sampling)
         req.prompt, req.mode = toks, mode
         return self._queue(req)
 
@@ -382,7 +393,7 @@ class Engine:
         cached KV the turn keeps and what it feeds)."""
         s, vocab = req.session, self.model.config.vocab_size
         if req.prompt is not None:
-            ds, new = edits_and_feed(s.tokens, req.prompt, mode=req.mode)
+            ds, new = compose(s.tokens, req.prompt, req.directives, mode=req.mode)
         else:
             ds, new = req.directives, req.new_tokens
         ds = dv.validate(ds, len(s.tokens), vocab)

@@ -282,6 +282,112 @@ class ReplyMemory:
         return toks
 
 
+# ---- explicit directives and server-side context editing -----------------------------------
+def edit_messages(messages: list[dict], directives) -> list[dict]:
+    """The history with each `MessageDirective` applied: messages i..j become message i, its
+    content the replacement, without tool calls (see `serve.openai_api.MessageDirective`)."""
+    out = [dict(m) for m in messages]
+    for d in sorted(directives, key=lambda d: d.messages, reverse=True):
+        i, j = d.messages
+        m = out[i]
+        m["content"] = d.replacement
+        m.pop("tool_calls", None)
+        del out[i + 1 : j + 1]
+    return out
+
+
+def token_directives(prompt, edited, spans, edited_spans, directives, default_mode) -> list:
+    """The token-level directives (in `prompt`'s coordinates) that turn the rendered history
+    `prompt` into the rendered edited history `edited` (`spans`, `edited_spans`: their
+    message spans): one per message directive, replacing its messages' tokens by the edited
+    message's, less the tokens they begin and end with alike (role markup, shared text), in
+    its mode. When the layout renders more than those messages differently (a chat format
+    that groups neighbouring messages, say), the two renders are diffed instead
+    (`serve.edits.detect_edits`) and each edit takes the strongest mode of the directives it
+    touches."""
+    from leyline_jax.directives import Directive, Mode, apply_to_list
+    from serve.edits import detect_edits, strongest
+
+    modes = {"amortize": Mode.AMORTIZE, "forget": Mode.FORGET}
+    by_index = {sp.index: sp for sp in spans}
+    new_index = {sp.index: sp for sp in edited_spans}
+    out, regions, removed = [], [], 0
+    for d in sorted(directives, key=lambda d: d.messages):
+        i, j = d.messages
+        a, b = by_index[i].start, by_index[j].end
+        e = new_index[i - removed]
+        repl = list(edited[e.start : e.end])
+        removed += j - i
+        while a < b and repl and prompt[a] == repl[0]:
+            a, repl = a + 1, repl[1:]
+        while a < b and repl and prompt[b - 1] == repl[-1]:
+            b, repl = b - 1, repl[:-1]
+        mode = modes[d.mode or default_mode]
+        regions.append((by_index[i].start, by_index[j].end, mode))
+        if a < b or repl:
+            out.append(Directive(a, b, tuple(repl), mode))
+    if apply_to_list(prompt, out) == list(edited):
+        return out
+    ds, tail = detect_edits(prompt, edited)
+    if tail:  # an edit reaching the end of the history: one directive to the end
+        if ds and ds[-1].end == len(prompt):
+            last = ds.pop()
+            ds.append(Directive(last.start, last.end, last.replacement + tuple(tail)))
+        else:
+            ds.append(Directive(len(prompt), len(prompt), tuple(tail)))
+    out = []
+    for d in ds:
+        hit = [m for a, b, m in regions if d.start < b and a < max(d.end, d.start + 1)]
+        mode = strongest(hit or [m for _, _, m in regions])
+        out.append(Directive(d.start, d.end, d.replacement, mode))
+    return out
+
+
+class ContextEditor:
+    """Anthropic-style context editing (`clear_tool_uses_20250919`) applied by the server:
+    `serve.policies.ClearToolUses` with the request's parameters, over the session's own
+    record of what it cleared (so what was cleared stays cleared, and the session's cache
+    keeps hitting after the edit). Tokens are the server's tokenizer's. Event-loop thread
+    only."""
+
+    def __init__(self, count_tokens):
+        self.count = count_tokens
+        self.cleared: dict[str, set[int]] = {}
+
+    def apply(self, key: str | None, messages: list[dict], edit) -> tuple[list[dict], dict]:
+        """(the edited history, the `applied_edits` entry: tool uses cleared in the history
+        the model runs, and the input tokens that removed)."""
+        from serve.policies import ClearToolUses
+
+        trig = edit.trigger
+        policy = ClearToolUses(
+            trigger_input_tokens=trig.value if trig.type == "input_tokens" else None,
+            trigger_tool_uses=trig.value if trig.type == "tool_uses" else None,
+            keep=edit.keep.value,
+            clear_at_least=edit.clear_at_least.value if edit.clear_at_least else 0,
+            exclude_tools=tuple(edit.exclude_tools or ()),
+            clear_tool_inputs=(
+                edit.clear_tool_inputs
+                if isinstance(edit.clear_tool_inputs, bool)
+                else tuple(edit.clear_tool_inputs)
+            ),
+            count_tokens=self.count,
+        )
+        name = key if key is not None else f"request-{uuid.uuid4().hex}"
+        policy.cleared = {name: self.cleared.setdefault(name, set()) if key else set()}
+        out = policy.apply(name, messages)
+        uses, tokens = policy.applied(name, messages)
+        report = {
+            "type": "clear_tool_uses_20250919",
+            "cleared_tool_uses": uses,
+            "cleared_input_tokens": tokens,
+        }
+        return out, report
+
+    def forget(self, key: str) -> None:
+        self.cleared.pop(key, None)
+
+
 # ---- the engine thread ----------------------------------------------------------------------
 @dataclasses.dataclass(eq=False)
 class Job:
@@ -293,6 +399,7 @@ class Job:
     session_key: str | None  # None: a session of its own, closed when the turn ends
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue
+    directives: list = dataclasses.field(default_factory=list)  # in `prompt`'s coordinates
     arrived: float = dataclasses.field(default_factory=time.perf_counter)
     request: object = None  # the engine's Request, once submitted
     sid: int | None = None
@@ -477,7 +584,7 @@ class EngineWorker:
                 if job.sid is None:
                     job.sid = self.sessions[job.session_key] = eng.open_session()
             job.request = eng.submit_prompt(
-                job.sid, job.prompt, mode=job.mode, sampling=job.sampling
+                job.sid, job.prompt, mode=job.mode, sampling=job.sampling, directives=job.directives
             )
         except (ValueError, KeyError) as e:
             self._end(job, ("error", e), submitted=False)
@@ -651,6 +758,23 @@ class _CountRequests:
             self.metrics.requests.labels(path, str(status["code"])).inc()
 
 
+@dataclasses.dataclass
+class Turn:
+    """A chat request as the engine runs it."""
+
+    prompt: list[int]  # the rendered history as sent (replies' sampled ids in place)
+    directives: list  # explicit edits, token directives in `prompt`'s coordinates
+    use_tools: bool
+    applied_edits: list[dict] | None  # context_management's report (None: not asked)
+
+    @property
+    def final(self) -> list[int]:
+        """The prompt the model runs: `prompt` with the directives applied."""
+        from leyline_jax.directives import apply_to_list
+
+        return apply_to_list(self.prompt, self.directives)
+
+
 def build_app(backend: Backend):
     """The FastAPI app serving `backend` (start its worker before serving: `ServerThread` and
     `main` do)."""
@@ -662,6 +786,7 @@ def build_app(backend: Backend):
     app.state.backend = backend
     tok, metrics, worker = backend.tokenizer, backend.metrics, backend.worker
     replies = app.state.replies = ReplyMemory()
+    context = app.state.context = ContextEditor(lambda text: len(tok.encode(text)))
 
     def error_response(
         status, message, param=None, type_="invalid_request_error", code=None, headers=None
@@ -739,13 +864,13 @@ def build_app(backend: Backend):
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             seed=req.seed or 0,
-            stop_tokens=tok.stop_tokens,
+            stop_tokens=() if req.ignore_eos else tok.stop_tokens,
         )
 
-    def start_job(prompt, sampling, req, key) -> Job:
+    def start_job(prompt, sampling, req, key, directives=()) -> Job:
         mode = Mode.FORGET if req.options.mode == "forget" else Mode.AMORTIZE
         loop = asyncio.get_running_loop()
-        job = Job(prompt, sampling, mode, key, loop, asyncio.Queue())
+        job = Job(prompt, sampling, mode, key, loop, asyncio.Queue(), list(directives))
         if not worker.alive:
             raise APIError(
                 503,
@@ -799,15 +924,44 @@ def build_app(backend: Backend):
             if not job.done:
                 worker.cancel(job)
 
-    def render_chat(req: ChatCompletionRequest, key: str | None) -> tuple[list[int], bool]:
+    def render_chat(req: ChatCompletionRequest, key: str | None) -> Turn:
+        """The request's history as the engine gets it: server-side context editing first
+        (`context_management`), then the rendered history and the explicit directives
+        (`leyline.directives`) as token directives in its coordinates."""
         messages = [m.as_chat_dict() for m in req.messages]
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        applied = None
+        if req.context_management is not None:
+            applied = []
+            for edit in req.context_management.edits:
+                messages, report = context.apply(key, messages, edit)
+                if report["cleared_tool_uses"]:
+                    applied.append(report)
+        mds = req.options.directives
+        for k, d in enumerate(mds):
+            if d.messages[1] >= len(messages):
+                raise APIError(
+                    400,
+                    f"leyline.directives.{k}.messages: {list(d.messages)} is out of range for "
+                    f"{len(messages)} messages",
+                    f"leyline.directives.{k}.messages",
+                )
         try:
             r = chat.render(tok, messages, tools)
+            edited = edit_messages(messages, mds) if mds else messages
+            final = chat.render(tok, edited, tools) if mds else r
         except (KeyError, ValueError, TypeError) as e:
             raise APIError(400, f"messages: cannot render: {e}", "messages") from e
+        prompt = replies.substitute(key, messages, r)
+        ds = []
+        if mds:
+            target = replies.substitute(key, edited, final)
+            ds = token_directives(prompt, target, r.spans, final.spans, mds, req.options.mode)
+            if not target:
+                msg = "leyline.directives: they leave no prompt"
+                raise APIError(400, msg, "leyline.directives")
         use_tools = bool(req.tools) and req.tool_choice != "none"
-        return replies.substitute(key, messages, r), use_tools
+        return Turn(prompt, ds, use_tools, applied)
 
     def remember_reply(key, text: OutputText, output, calls) -> None:
         """Keep the reply's sampled ids for the session's next render (a reply cut by a stop
@@ -817,8 +971,18 @@ def build_app(backend: Backend):
         ids = list(output[:-1] if output and output[-1] in tok.stop_tokens else output)
         replies.remember(key, text.text, ids)
 
-    def leyline_extra(req, key, prompt, output) -> dict:
+    def leyline_extra(req, key, prompt, output, turn: Turn | None = None) -> dict:
         extra = {"session_id": key}
+        if turn is not None and turn.directives:
+            extra["directives"] = [
+                {
+                    "start": d.start,
+                    "end": d.end,
+                    "replacement_tokens": len(d.replacement),
+                    "mode": d.mode.name.lower(),
+                }
+                for d in turn.directives
+            ]
         if req.options.return_token_ids:
             extra["prompt_token_ids"] = list(prompt)
             extra["output_token_ids"] = list(output)
@@ -893,10 +1057,11 @@ def build_app(backend: Backend):
         key = session_key(req.session_id, x_session_id)
         if (why := req.tool_choice_error()) is not None:
             raise APIError(400, why, "tool_choice")
-        prompt, use_tools = render_chat(req, key)
+        turn = render_chat(req, key)
+        prompt, use_tools = turn.final, turn.use_tools
         asked, field = req.max_new
         sampling = sampling_for(req, len(prompt), asked, field)
-        job = start_job(prompt, sampling, req, key)
+        job = start_job(turn.prompt, sampling, req, key, turn.directives)
         text = OutputText(tok, tok.stop_tokens, req.stops, tool_markers(tok) if use_tools else ())
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         base = {
@@ -951,8 +1116,10 @@ def build_app(backend: Backend):
                 ],
                 "usage": _usage(stats, len(output)),
                 "session_id": key,
-                "leyline": leyline_extra(req, key, prompt, output),
+                "leyline": leyline_extra(req, key, prompt, output, turn),
             }
+            if turn.applied_edits is not None:
+                body["context_management"] = {"applied_edits": turn.applied_edits}
             return JSONResponse(body, headers=session_headers(key))
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -1017,7 +1184,9 @@ def build_app(backend: Backend):
             else:
                 last = chunk({}, fin, usage=usage)
             d = json.loads(last["data"])
-            d["leyline"] = leyline_extra(req, key, prompt, output)
+            d["leyline"] = leyline_extra(req, key, prompt, output, turn)
+            if turn.applied_edits is not None:
+                d["context_management"] = {"applied_edits": turn.applied_edits}
             yield {"data": json.dumps(d, ensure_ascii=False)}
             yield {"data": "[DONE]"}
 

@@ -9,8 +9,11 @@ OpenAI-compatible servers do; fields whose meaning it cannot honour (`n` > 1, `l
 Our own fields, beside OpenAI's: `session_id` (also the `X-Session-Id` header) names the
 conversation the request continues, and `leyline` carries the edit channel's options
 (`LeylineOptions`: `mode` "amortize" (default) or "forget" for the edit the server finds by
-diffing the re-sent history against the session; `return_token_ids`: also return the prompt's
-and the completion's token ids).
+diffing the re-sent history against the session; `directives`: explicit, message-granular edits
+(`MessageDirective`); `return_token_ids`: also return the prompt's and the completion's token
+ids). vLLM's `ignore_eos` (generate through the end-of-turn token). Anthropic's context
+editing, `context_management.edits` with `clear_tool_uses_20250919` (`ContextManagement`):
+the server clears old tool results from the history it runs, and reports what it cleared.
 """
 
 from __future__ import annotations
@@ -21,9 +24,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 __all__ = [
     "ChatCompletionRequest",
+    "ClearToolUsesEdit",
     "CompletionRequest",
+    "ContextManagement",
     "LeylineOptions",
     "Message",
+    "MessageDirective",
     "Tool",
     "error_body",
     "validation_param",
@@ -131,9 +137,77 @@ class StreamOptions(_Open):
     include_usage: bool = False
 
 
+class MessageDirective(_Closed):
+    """An explicit edit of the history the request sends, in messages (clients do not know
+    token ids): messages `messages[0]` to `messages[1]` (inclusive indices into the request's
+    `messages`) become one message, the first's role, whose content is `replacement` (its tool
+    calls, if any, are dropped; the others are removed). The model runs the edited history,
+    and the session's KV is spliced (`mode`, default the request's `leyline.mode`) instead of
+    prefilled from the edit on. A client mirrors the edit in its own history
+    (`m[i]["content"] = replacement; del m[i + 1 : j + 1]`) so that its next request extends
+    the session."""
+
+    messages: tuple[int, int]
+    replacement: str = Field("", max_length=1_000_000)
+    mode: Literal["amortize", "forget"] | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _range(cls, v):
+        i, j = v
+        if i < 0 or j < i:
+            raise ValueError("need 0 <= first <= last (message indices, inclusive)")
+        return v
+
+
 class LeylineOptions(_Closed):
     mode: Literal["amortize", "forget"] = "amortize"
+    directives: list[MessageDirective] = Field(default_factory=list, max_length=256)
     return_token_ids: bool = False
+
+    @field_validator("directives")
+    @classmethod
+    def _apart(cls, v):
+        spans = sorted(d.messages for d in v)
+        for (_, a), (b, _) in zip(spans, spans[1:], strict=False):
+            if b <= a:
+                raise ValueError("directives' message ranges overlap")
+        return v
+
+
+# ---- Anthropic's context editing ------------------------------------------------------------
+class _Count(_Closed):
+    value: int = Field(ge=0, le=2**31)
+
+
+class InputTokens(_Count):
+    type: Literal["input_tokens"]
+
+
+class ToolUses(_Count):
+    type: Literal["tool_uses"]
+
+
+class ClearToolUsesEdit(_Closed):
+    """`clear_tool_uses_20250919`, with Anthropic's defaults: when the history reaches
+    `trigger` (100,000 input tokens), the oldest tool results but the `keep` most recent (3)
+    are replaced by a stub, unless that would clear fewer than `clear_at_least` input tokens;
+    tools named in `exclude_tools` are never cleared; `clear_tool_inputs` also blanks the
+    calls' arguments (true: every cleared call; a list: those tools' calls). What is cleared
+    stays cleared in the session's later requests."""
+
+    type: Literal["clear_tool_uses_20250919"]
+    trigger: InputTokens | ToolUses = Field(
+        default_factory=lambda: InputTokens(type="input_tokens", value=100_000)
+    )
+    keep: ToolUses = Field(default_factory=lambda: ToolUses(type="tool_uses", value=3))
+    clear_at_least: InputTokens | None = None
+    exclude_tools: list[str] | None = None
+    clear_tool_inputs: bool | list[str] = False
+
+
+class ContextManagement(_Closed):
+    edits: list[ClearToolUsesEdit] = Field(max_length=1)
 
 
 def _stops(v):
@@ -157,6 +231,7 @@ class _Sampling(_Open):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logprobs: bool | int | None = None
+    ignore_eos: bool = False
     session_id: str | None = Field(None, min_length=1, max_length=256)
     leyline: LeylineOptions | None = None
 
@@ -189,6 +264,7 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    context_management: ContextManagement | None = None
 
     def tool_choice_error(self) -> str | None:
         """Why `tool_choice` is wrong, if it names a function `tools` lacks (checked by the
@@ -271,9 +347,14 @@ _UNION_TAGS = {
 
 def validation_param(loc) -> str:
     """A dotted field path from a FastAPI validation error location (("body", "messages", 0,
-    "role") -> "messages.0.role"; the body itself -> "body")."""
+    "role") -> "messages.0.role"; the body itself -> "body"). Union members pydantic names in
+    the location (a type, or a model's class name) are not fields and are left out."""
     parts = [str(p) for p in loc]
     if parts and parts[0] == "body":
         parts = parts[1:]
-    parts = [p for p in parts if p.replace(" ", "") not in _UNION_TAGS and "[" not in p]
+    parts = [
+        p
+        for p in parts
+        if p.replace(" ", "") not in _UNION_TAGS and "[" not in p and not p[:1].isupper()
+    ]
     return ".".join(parts) or "body"

@@ -6,7 +6,8 @@ sends (it never touches a cache); the engine turns the edit into directives (`se
 - `ClearToolUses(...)`: the parameters agent harnesses already expose for the same job: a
   trigger (input tokens, or tool uses), `keep` (most recent tool uses left alone),
   `clear_at_least` (an activation must clear at least this many tokens, or it does not happen),
-  `exclude_tools` (never cleared), `clear_tool_inputs` (also blank the call's arguments).
+  `exclude_tools` (never cleared), `clear_tool_inputs` (also blank the call's arguments: True
+  for every cleared call, or a tuple of the tool names whose calls are blanked).
 
 Policies are stateful per session: what was cleared stays cleared at later steps (as a harness
 that edits its own history would keep it), so edits only ever grow.
@@ -26,7 +27,7 @@ def _tool_turns(messages) -> list[int]:
     return [i for i, m in enumerate(messages) if m.get("role") == "tool"]
 
 
-def _call_of(messages, i: int):
+def call_of(messages, i: int):
     """(assistant message index, tool call) that produced tool message i, if found."""
     call_id = messages[i].get("tool_call_id")
     for j in range(i - 1, -1, -1):
@@ -61,7 +62,7 @@ class ClearToolUses:
     keep: int = 3
     clear_at_least: int = 0
     exclude_tools: tuple[str, ...] = ()
-    clear_tool_inputs: bool = False
+    clear_tool_inputs: bool | tuple[str, ...] = False
     stub: str = STUB
     count_tokens: object = None  # callable str -> int; default: ~4 characters per token
 
@@ -70,7 +71,8 @@ class ClearToolUses:
             raise ValueError("set trigger_input_tokens or trigger_tool_uses")
         if self.keep < 0 or self.clear_at_least < 0:
             raise ValueError("keep and clear_at_least must be >= 0")
-        self._cleared: dict[str, set[int]] = {}
+        # per session, the tool messages (indices) cleared so far: they stay cleared
+        self.cleared: dict[str, set[int]] = {}
 
     def _tokens(self, text: str) -> int:
         return self.count_tokens(text) if self.count_tokens else -(-len(text) // 4)
@@ -82,16 +84,38 @@ class ClearToolUses:
             for m in messages
         )
 
+    def clears_input(self, call) -> bool:
+        """Whether clearing a tool use blanks this call's arguments."""
+        if isinstance(self.clear_tool_inputs, bool):
+            return self.clear_tool_inputs
+        return (call.get("function") or {}).get("name") in self.clear_tool_inputs
+
     def _clear(self, out, i: int) -> None:
         out[i]["content"] = self.stub
-        if self.clear_tool_inputs:
-            _, call = _call_of(out, i)
-            if call is not None:
-                call.setdefault("function", {})["arguments"] = INPUT_STUB
+        _, call = call_of(out, i)
+        if call is not None and self.clears_input(call):
+            call.setdefault("function", {})["arguments"] = INPUT_STUB
+
+    def applied(self, session: str, messages: list[dict]) -> tuple[int, int]:
+        """What `apply` clears in `messages` (the history before it): (tool uses cleared,
+        input tokens that removes: each cleared output's tokens less the stub's, and each
+        blanked call's arguments less the input stub's)."""
+        uses = tokens = 0
+        for i in sorted(self.cleared.get(session, ())):
+            if i >= len(messages) or messages[i].get("role") != "tool":
+                continue
+            uses += 1
+            tokens += self._tokens(messages[i].get("content") or "") - self._tokens(self.stub)
+            _, call = call_of(messages, i)
+            if call is not None and self.clears_input(call):
+                args = (call.get("function") or {}).get("arguments") or ""
+                args = args if isinstance(args, str) else json.dumps(args)
+                tokens += self._tokens(args) - self._tokens(INPUT_STUB)
+        return uses, max(tokens, 0)
 
     def apply(self, session: str, messages: list[dict]) -> list[dict]:
         out = copy.deepcopy(messages)
-        cleared = self._cleared.setdefault(session, set())
+        cleared = self.cleared.setdefault(session, set())
         for i in sorted(cleared):
             if i < len(out):
                 self._clear(out, i)
@@ -102,7 +126,7 @@ class ClearToolUses:
         if not fired:
             return out
         name = {
-            i: out[i].get("name") or (_call_of(out, i)[1] or {}).get("function", {}).get("name")
+            i: out[i].get("name") or (call_of(out, i)[1] or {}).get("function", {}).get("name")
             for i in tools
         }
         candidates = [

@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from leyline_jax.directives import Mode, apply_to_list, validate
-from serve.edits import detect_edits, edits_and_feed
+from leyline_jax.directives import Directive, Mode, apply_to_list, validate
+from serve.edits import compose, detect_edits, edits_and_feed
 
 
 def test_stub_replacing_a_tool_output_is_one_directive_and_a_tail():
@@ -88,3 +88,63 @@ def test_edits_and_feed_always_feed_a_token(case, min_keep):
     assert len(tail) >= 1
     assert validate(ds, len(old), vocab_size=6) == [d for d in ds if not d.is_noop]
     assert apply_to_list(old, ds) + tail == new
+
+
+@st.composite
+def explicit(draw):
+    """(old, prompt, directives in the prompt's coordinates): the prompt extends old (or, one
+    time in three, edits it too), the directives a random valid batch over the prompt."""
+    old = draw(st.lists(st.integers(0, 5), min_size=1, max_size=40))
+    prompt = old + draw(st.lists(st.integers(0, 5), max_size=12))
+    if draw(st.integers(0, 2)) == 0:
+        i = draw(st.integers(0, len(prompt) - 1))
+        prompt[i] = (prompt[i] + 1) % 6
+    cuts = sorted(draw(st.lists(st.integers(0, len(prompt)), min_size=2, max_size=6, unique=True)))
+    ds = []
+    for a, b in zip(cuts[::2], cuts[1::2], strict=False):
+        repl = tuple(draw(st.lists(st.integers(0, 5), max_size=5)))
+        mode = draw(st.sampled_from([Mode.AMORTIZE, Mode.FORGET]))
+        ds.append(Directive(a, b, repl, mode))
+    ds = validate(ds, len(prompt), vocab_size=6)
+    assume(apply_to_list(prompt, ds))
+    return old, prompt, ds
+
+
+@settings(max_examples=400, deadline=None)
+@given(explicit(), st.sampled_from([Mode.AMORTIZE, Mode.FORGET]))
+def test_compose_rebuilds_the_edited_prompt(case, mode):
+    old, prompt, ds = case
+    out, tail = compose(old, prompt, ds, mode=mode)
+    assert len(tail) >= 1
+    assert validate(out, len(old), vocab_size=6) == [d for d in out if not d.is_noop]
+    assert apply_to_list(old, out) + tail == apply_to_list(prompt, ds)
+    if prompt[: len(old)] != old:
+        return
+    # the prompt extends old: every directive starting inside old is kept with its own mode
+    # and span (cut at old's end) whenever something is left to feed
+    inside = [(d.start, min(d.end, len(old)), d.mode) for d in ds if d.start < len(old)]
+    if [(d.start, d.end, d.mode) for d in out] != inside:
+        assert len(apply_to_list(old, [d for d in ds if d.start < len(old)])) == len(
+            apply_to_list(prompt, ds)
+        ), "the exact path was left although it had a tail to feed"
+
+
+def test_compose_keeps_each_directives_mode_and_span():
+    old = list(range(50))
+    prompt = old + [90, 91]
+    ds = [Directive(5, 10, (70,), Mode.FORGET), Directive(20, 30, (), Mode.AMORTIZE)]
+    out, tail = compose(old, prompt, ds)
+    assert [(d.start, d.end, d.replacement, d.mode) for d in out] == [
+        (5, 10, (70,), Mode.FORGET),
+        (20, 30, (), Mode.AMORTIZE),
+    ]
+    assert tail == [90, 91]
+    # straddling the session's end: cut there, the rest is prefilled with the tail
+    out, tail = compose(old, prompt, [Directive(45, 51, (80, 81), Mode.AMORTIZE)])
+    assert [(d.start, d.end, d.replacement) for d in out] == [(45, 50, (80, 81))]
+    assert tail == [91]
+    # the history edited elsewhere too: one diff of the edited prompt, in the strongest mode
+    edited = [99] + prompt[1:]
+    out, tail = compose(old, edited, [Directive(20, 30, (), Mode.FORGET)])
+    assert out[0].start == 0 and all(d.mode is Mode.FORGET for d in out)
+    assert apply_to_list(old, out) + tail == apply_to_list(edited, [Directive(20, 30, ())])

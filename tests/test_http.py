@@ -426,3 +426,145 @@ def test_concurrent_sessions_equal_the_engine_alone(server, client, model):
     req = urllib.request.Request(server.url + "/v1/sessions/s0", method="DELETE")
     with urllib.request.urlopen(req) as r:
         assert json.loads(r.read())["deleted"] is True
+
+
+# ---- explicit directives ----------------------------------------------------------------------
+def test_explicit_directives_splice_by_message(server, client, model, base_tokenizer):
+    """`leyline.directives` edits messages of the history as sent: message 1's content becomes
+    the replacement (AMORTIZE) and message 3's too (FORGET), and the turn equals the same two
+    token directives, built here from the rendered message spans, run through an engine
+    alone; the client's mirrored history then extends the session."""
+    wait_idle(server)
+    tok = ModVocabTokenizer(base_tokenizer, 256)
+    body = {"leyline": {"return_token_ids": True}}
+    hdr = {"X-Session-Id": "directives"}
+    kw = dict(model=MODEL, max_tokens=3, temperature=0, extra_headers=hdr)
+    history = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "tool", "content": json.dumps({"rows": list(range(40))})},
+        {"role": "user", "content": "Summarise the rows."},
+        {"role": "tool", "content": json.dumps({"more": "x" * 90})},
+        {"role": "user", "content": "And now?"},
+    ]
+    r1 = client.chat.completions.create(messages=history, extra_body=body, **kw)
+    prompt1, out1 = ids(r1)["prompt_token_ids"], ids(r1)["output_token_ids"]
+    history += [
+        {"role": "assistant", "content": r1.choices[0].message.content},
+        {"role": "user", "content": "Go on."},
+    ]
+    edits = [
+        {"messages": [1, 1], "replacement": "[evicted]"},
+        {"messages": [3, 3], "replacement": "[gone]", "mode": "forget"},
+    ]
+    r2 = client.chat.completions.create(
+        messages=history, extra_body={"leyline": {"return_token_ids": True, "directives": edits}},
+        **kw,
+    )  # fmt: skip
+    extra = ids(r2)
+    assert [d["mode"] for d in extra["directives"]] == ["amortize", "forget"]
+    usage_adds_up(r2.usage, len(extra["output_token_ids"]))
+    assert r2.usage.model_extra["spliced_tokens"] > 0  # between the two edits
+
+    # the reference: the session's tokens, the two message contents replaced by token
+    # directives at their rendered content spans, and the rest of the history as the tail
+    spans = {sp.index: sp for sp in chat.render(tok, history[:5]).spans}
+    session = prompt1 + out1
+    ds = [
+        ll.Directive(spans[1].content_start, spans[1].content_end, tok.encode("[evicted]")),
+        ll.Directive(spans[3].content_start, spans[3].content_end, tok.encode("[gone]"),
+                     Mode.FORGET),
+    ]  # fmt: skip
+    kept = ll.directives.apply_to_list(session, ds)
+    assert extra["prompt_token_ids"][: len(kept)] == kept
+    tail = extra["prompt_token_ids"][len(kept) :]
+    engine = Engine(model, **ENGINE)
+    sid = engine.open_session()
+    sp = SamplingParams(max_new_tokens=3, stop_tokens=(1,))
+    assert engine.submit_prompt(sid, prompt1, sampling=sp).result() == out1
+    assert (
+        engine.submit(sid, tail, directives=ds, sampling=sp).result() == (extra["output_token_ids"])
+    )
+
+    # the client mirrors the edits: its next request extends the session
+    mirrored = [dict(m) for m in history]
+    mirrored[1]["content"], mirrored[3]["content"] = "[evicted]", "[gone]"
+    mirrored += [
+        {"role": "assistant", "content": r2.choices[0].message.content},
+        {"role": "user", "content": "Thanks."},
+    ]
+    r3 = client.chat.completions.create(messages=mirrored, extra_body=body, **kw)
+    n = len(extra["prompt_token_ids"]) + len(extra["output_token_ids"])
+    assert ids(r3)["prompt_token_ids"][:n] == extra["prompt_token_ids"] + extra["output_token_ids"]
+    assert r3.usage.model_extra["reused_tokens"] == n - 1
+
+
+@pytest.mark.parametrize(
+    "directives, param",
+    [
+        ([{"messages": [0, 9]}], "leyline.directives.0.messages"),
+        ([{"messages": [1, 0]}], "leyline.directives.0.messages"),
+        ([{"messages": [0]}], "leyline.directives.0.messages.1"),
+        ([{"messages": [0, 1]}, {"messages": [1, 1]}], "leyline.directives"),
+        ([{"messages": [0, 0], "mode": "later"}], "leyline.directives.0.mode"),
+        ([{"messages": [0, 0], "extra": 1}], "leyline.directives.0.extra"),
+    ],
+)
+def test_bad_directives_name_the_field(server, directives, param):
+    messages = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+    body = {"model": MODEL, "max_tokens": 2, "leyline": {"directives": directives}}
+    body["messages"] = messages
+    status, _, raw = post(server, "/v1/chat/completions", body)
+    err = json.loads(raw)["error"]
+    assert status == 400 and err["param"] == param, err
+
+
+# ---- an unmodified harness over HTTP equals the replay -----------------------------------------
+def test_replay_over_http_equals_serve_replay(model, base_tokenizer):
+    """Synthetic traces sent turn by turn through the `openai` client, one session per trace,
+    with the truncate policy applied client-side: the prompts are `serve.replay`'s and the hit
+    rate its amortize arm's (C=1, greedy, no stop token, an engine of the replay's size). Then
+    the same traces unedited with `context_management` (clear_tool_uses: keep 2, fire from the
+    first tool use): the server's edits are the client-side policy's, token for token, and it
+    reports what it cleared."""
+    from serve import policies, replay, traces
+
+    trace_list = traces.synthetic(sessions=3, turns=4, tool_words=60, seed=5)
+    work = replay.prompts(trace_list, base_tokenizer, 256, "truncate", {"keep": 2})
+    row, _ = replay.run_arm(model, work, "amortize", 1, max_new=2, page_size=16)
+    engine = replay.make_engine(model, work, 1, max_new=2, page_size=16)
+    backend = Backend.for_engine(engine, base_tokenizer, MODEL)
+    truncate = policies.Truncate(keep=2)
+    cm = {"edits": [{"type": "clear_tool_uses_20250919", "keep": {"type": "tool_uses", "value": 2},
+                     "trigger": {"type": "tool_uses", "value": 1}}]}  # fmt: skip
+    with ServerThread(backend) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+        for side in ("client", "server"):
+            engine.reset_prefix_cache()
+            cached = prompt_tokens = 0
+            for t, trace in enumerate(trace_list):
+                for k, step in enumerate(trace["steps"]):
+                    msgs = step["messages"]
+                    extra = {"ignore_eos": True, "leyline": {"return_token_ids": True}}
+                    if side == "client":
+                        msgs = truncate.apply(trace["id"], msgs)
+                    else:
+                        extra["context_management"] = cm
+                    r = client.chat.completions.create(
+                        model=MODEL, messages=msgs, tools=step["tools"], max_tokens=2,
+                        temperature=0, extra_body=extra,
+                        extra_headers={"X-Session-Id": f"{side}-{t}"},
+                    )  # fmt: skip
+                    assert ids(r)["prompt_token_ids"] == work[t][k], (side, t, k)
+                    usage_adds_up(r.usage, 2)
+                    cached += r.usage.prompt_tokens_details.cached_tokens
+                    prompt_tokens += r.usage.prompt_tokens
+                    if side == "server":
+                        applied = r.model_extra["context_management"]["applied_edits"]
+                        tools = sum(m["role"] == "tool" for m in step["messages"])
+                        assert [e["cleared_tool_uses"] for e in applied] == (
+                            [tools - 2] if tools > 2 else []
+                        )
+                req = urllib.request.Request(srv.url + f"/v1/sessions/{side}-{t}", method="DELETE")
+                urllib.request.urlopen(req).close()  # as the replay closes a finished trace
+            assert prompt_tokens == row["prompt_tokens"]
+            assert cached / prompt_tokens == pytest.approx(row["hit_rate"], abs=1e-12), side
