@@ -38,7 +38,7 @@ raw), and rendering one prompt.
 Everything runs in one process (the clients too, as in tests/test_http.py), so at C = 16 the
 16 client threads share the GIL and the machine's cores with uvicorn and the engine thread.
 
-    python -m benchmarks.http_bench [--repeats 5] [--turns 4] [--max-tokens 16]
+    python -m benchmarks.http_bench [--repeats 7] [--turns 6] [--max-tokens 16]
         [--concurrency 1,16] [--arms inproc,openai,stream,raw]
         [--out benchmarks/results_http.json] [--compile-cache DIR|off]
 """
@@ -46,8 +46,11 @@ Everything runs in one process (the clients too, as in tests/test_http.py), so a
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import cProfile
 import http.client
 import json
+import pstats
 import statistics
 import sys
 import threading
@@ -68,12 +71,18 @@ ENGINE = dict(num_pages=512, page_size=16, max_seqs=16, kv_dtype=jnp.float32)
 MODEL = "tiny"
 SYSTEM = "You are a terse assistant. Tool results arrive in tool messages."
 HTTP_ARMS = ("openai", "stream", "raw")
+CPU_COLUMNS = ("loop", "engine", "clients", "main", "process")
 
 
 def conversation(i: int, turn: int) -> list[dict]:
     """The messages session i adds at `turn` (tests/test_http.py's conversation)."""
     tool = json.dumps({"session": i, "turn": turn, "result": "ok" * (3 + i + turn)})
     return [{"role": "tool", "content": tool}, {"role": "user", "content": f"Turn {turn}: and?"}]
+
+
+def thread_cpu(thread: threading.Thread) -> float:
+    """CPU seconds a running thread has used (its own clock: XLA's threads not included)."""
+    return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
 
 
 def pct(xs, q: float) -> float:
@@ -89,6 +98,7 @@ def run_inproc(engine: Engine, tok, c: int, turns: int, max_tokens: int, tag: st
     sids = [engine.open_session() for _ in range(c)]
     msgs = [[{"role": "system", "content": SYSTEM}] for _ in range(c)]
     recs = {k: [] for k in keys}
+    cpu0, proc0 = time.thread_time(), time.process_time()
     t_start = time.perf_counter()
     for t in range(turns):
         prompts = []
@@ -118,14 +128,20 @@ def run_inproc(engine: Engine, tok, c: int, turns: int, max_tokens: int, tag: st
                 )
             )
     wall = time.perf_counter() - t_start
+    n = c * turns
+    cpu = dict(main=(time.thread_time() - cpu0) / n, process=(time.process_time() - proc0) / n)
     for s in sids:
         engine.close_session(s)
-    return dict(records=[recs[k] for k in keys], wall=wall)
+    return dict(records=[recs[k] for k in keys], wall=wall, cpu=cpu)
 
 
 # ---- the HTTP arms ------------------------------------------------------------------------------
-def http_session(arm, client, url, key, i, turns, max_tokens, barrier, out, errors) -> None:
-    """Session i over HTTP, one turn after another (the client re-sends the whole history)."""
+def http_session(
+    arm, client, url, key, i, turns, max_tokens, barrier, out, errors, cpu, profiles
+) -> None:
+    """Session i over HTTP, one turn after another (the client re-sends the whole history).
+    Adds the thread's CPU seconds to `cpu`; profiles itself when `profiles` is a list."""
+    prof = cProfile.Profile(time.thread_time) if profiles is not None else None
     try:
         msgs = [{"role": "system", "content": SYSTEM}]
         conn = None
@@ -133,6 +149,9 @@ def http_session(arm, client, url, key, i, turns, max_tokens, barrier, out, erro
             host, port = url.removeprefix("http://").split(":")
             conn = http.client.HTTPConnection(host, int(port), timeout=120)
         barrier.wait()
+        c0 = time.thread_time()
+        if prof is not None:
+            prof.enable()
         for t in range(turns):
             msgs += conversation(i, t)
             kw = dict(model=MODEL, messages=msgs, max_tokens=max_tokens, temperature=0)
@@ -182,6 +201,10 @@ def http_session(arm, client, url, key, i, turns, max_tokens, barrier, out, erro
             )
             out.append(rec)
             msgs.append({"role": "assistant", "content": content})
+        if prof is not None:
+            prof.disable()
+            profiles.append(prof)
+        cpu.append(time.thread_time() - c0)
         if conn is not None:
             conn.close()
     except BaseException as e:  # reported by the main thread
@@ -189,26 +212,48 @@ def http_session(arm, client, url, key, i, turns, max_tokens, barrier, out, erro
         barrier.abort()
 
 
-def run_http(arm, client, server, c, turns, max_tokens, tag, server_log) -> dict:
+def run_http(arm, client, server, c, turns, max_tokens, tag, server_log, profiles=None) -> dict:
     keys = [f"{tag}-{i}" for i in range(c)]
     recs = {k: [] for k in keys}
     errors: list = []
+    client_cpu: list[float] = []
     barrier = threading.Barrier(c + 1)
     threads = [
         threading.Thread(
             target=http_session,
-            args=(arm, client, server.url, keys[i], i, turns, max_tokens, barrier, recs[keys[i]],
-                  errors),
+            args=(
+                arm,
+                client,
+                server.url,
+                keys[i],
+                i,
+                turns,
+                max_tokens,
+                barrier,
+                recs[keys[i]],
+                errors,
+                client_cpu,
+                profiles,
+            ),
         )  # fmt: skip
         for i in range(c)
     ]
     for th in threads:
         th.start()
+    loop_thread, engine_thread = server.thread, server.backend.worker.thread
+    l0, e0, p0 = thread_cpu(loop_thread), thread_cpu(engine_thread), time.process_time()
     barrier.wait()
     t_start = time.perf_counter()
     for th in threads:
         th.join(600)
     wall = time.perf_counter() - t_start
+    n = c * turns
+    cpu = dict(
+        loop=(thread_cpu(loop_thread) - l0) / n,
+        engine=(thread_cpu(engine_thread) - e0) / n,
+        clients=sum(client_cpu) / n,
+        process=(time.process_time() - p0) / n,
+    )
     if errors:
         raise RuntimeError(f"{arm}: {errors[:3]}")
     for k in keys:  # the server's timestamps of each turn, matched in order
@@ -217,18 +262,21 @@ def run_http(arm, client, server, c, turns, max_tokens, tag, server_log) -> dict
         req = urllib.request.Request(f"{server.url}/v1/sessions/{k}", method="DELETE")
         with urllib.request.urlopen(req, timeout=60) as r:
             assert json.loads(r.read())["deleted"]
-    return dict(records=[recs[k] for k in keys], wall=wall)
+    return dict(records=[recs[k] for k in keys], wall=wall, cpu=cpu)
 
 
-def hook_server_log(backend) -> dict:
+def hook_server_log(backend) -> tuple[dict, dict]:
     """Record (arrived, submitted, first token, finished) of every finished turn, per session,
-    through the worker's metrics call (an instance attribute: serve/http.py is untouched)."""
+    through the worker's metrics call (an instance attribute: serve/http.py is untouched);
+    and the server's event loop (`ctx["loop"]`, from the jobs)."""
     log: dict[str, list[dict]] = {}
+    ctx: dict = {"loop": None}
     metrics = backend.metrics
     original = metrics.turn_done
 
     def turn_done(job):
         original(job)
+        ctx["loop"] = job.loop
         st = job.request.stats
         log.setdefault(job.session_key, []).append(
             dict(
@@ -240,7 +288,7 @@ def hook_server_log(backend) -> dict:
         )
 
     metrics.turn_done = turn_done
-    return log
+    return log, ctx
 
 
 # ---- the report ---------------------------------------------------------------------------------
@@ -263,6 +311,7 @@ def summarize(runs: dict, arms, cs) -> dict:
                 ttft_p95_ms=pct(b_ttft, 95) * 1e3,
                 wall_ms=statistics.median(r["wall"] for r in base) * 1e3,
                 n=len(b_lat),
+                cpu_ms_per_turn=cpu_median(base),
             )
         }
         for arm in arms:
@@ -272,7 +321,10 @@ def summarize(runs: dict, arms, cs) -> dict:
             metrics = [("latency", "latency", "")]
             if arm == "stream":
                 metrics.append(("ttft", "ttft", "ttft_"))
-            d = {"wall_ms": statistics.median(r["wall"] for r in rs) * 1e3}
+            d = {
+                "wall_ms": statistics.median(r["wall"] for r in rs) * 1e3,
+                "cpu_ms_per_turn": cpu_median(rs),
+            }
             for field, bfield, pre in metrics:
                 xs = [x for run in rs for x in flat(run, field)]
                 bs = b_lat if bfield == "latency" else b_ttft
@@ -300,9 +352,24 @@ def summarize(runs: dict, arms, cs) -> dict:
                             seg["post"].append(r["t1"] - r["finished"])
                 d["segments_p50_ms"] = {k: pct(v, 50) * 1e3 for k, v in seg.items()}
                 d["segments_mean_ms"] = {k: float(np.mean(v)) * 1e3 for k, v in seg.items()}
+            if arm == "stream":  # the first token: engine sampled it -> the client has it
+                seg = {"first_token_delivery": [], "engine": [], "after_last_token": []}
+                for run in rs:
+                    for sess in run["records"]:
+                        for r in sess:
+                            if r.get("ttft") is not None:
+                                seg["first_token_delivery"].append(r["t0"] + r["ttft"] - r["first"])
+                            seg["engine"].append(r["finished"] - r["submitted"])
+                            seg["after_last_token"].append(r["t1"] - r["finished"])
+                d["segments_p50_ms"] = {k: pct(v, 50) * 1e3 for k, v in seg.items()}
             row[arm] = d
         out[str(c)] = row
     return out
+
+
+def cpu_median(rs) -> dict:
+    """CPU ms per turn by thread (median over repeats)."""
+    return {k: statistics.median(r["cpu"][k] for r in rs) * 1e3 for k in rs[0]["cpu"]}
 
 
 def agreement(runs: dict, arms, cs) -> dict:
@@ -363,7 +430,109 @@ def table(summary: dict, cs, arms) -> str:
                     f"| {c} | {arm} | {s['pre']:.2f} | {s['handoff']:.2f} | {s['engine']:.2f} "
                     f"| {s['post']:.2f} | {summary[str(c)]['inproc']['p50_ms']:.2f} |"
                 )
+    if "stream" in arms:
+        lines += [
+            "",
+            "Streaming (p50 ms): the first token from the engine's sampling to the client's "
+            "parsed chunk; the engine's span; the last token to the parsed [DONE]:",
+            "",
+            "| C | first-token delivery | engine | after the last token |",
+            "|---:|---:|---:|---:|",
+        ]
+        for c in cs:
+            s = summary[str(c)]["stream"]["segments_p50_ms"]
+            lines.append(
+                f"| {c} | {s['first_token_delivery']:.2f} | {s['engine']:.2f} "
+                f"| {s['after_last_token']:.2f} |"
+            )
+    lines += [
+        "",
+        "CPU ms per turn by thread (median over repeats; XLA's own threads only in `process`):",
+        "",
+        "| C | arm | event loop | engine thread | clients | in-proc main | process |",
+        "|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for c in cs:
+        for arm in arms:
+            u = summary[str(c)][arm]["cpu_ms_per_turn"]
+            cells = [f"{u[k]:.2f}" if k in u else "-" for k in CPU_COLUMNS]
+            lines.append(f"| {c} | {arm} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+# ---- profiles -----------------------------------------------------------------------------------
+def _group(key) -> str:
+    """The package (or builtin) a profiled function belongs to."""
+    file, _, name = key
+    if file == "~":
+        return name.split(" of ")[-1].strip("<>'") if " of " in name else name.strip("<>")
+    parts = file.replace("\\", "/").split("/")
+    if "site-packages" in parts:
+        return parts[parts.index("site-packages") + 1].removesuffix(".py")
+    for top in ("serve", "leyline_jax", "benchmarks"):
+        if top in parts:
+            return "/".join(parts[parts.index(top) :])
+    return "stdlib:" + parts[-1].removesuffix(".py")
+
+
+def profile_summary(profs, top: int = 14) -> dict:
+    """Self time by package and the top functions by self time, of merged cProfile runs."""
+    st = pstats.Stats(profs[0])
+    for p in profs[1:]:
+        st.add(p)
+    total = sum(v[2] for v in st.stats.values())
+    groups: dict[str, float] = {}
+    for key, v in st.stats.items():
+        groups[_group(key)] = groups.get(_group(key), 0.0) + v[2]
+    funcs = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return dict(
+        total_s=total,
+        by_package=dict(sorted(groups.items(), key=lambda kv: -kv[1])[:top]),
+        top_functions=[
+            dict(
+                func=f"{k[0].split('site-packages/')[-1]}:{k[1]}({k[2]})", self_s=v[2], calls=v[1]
+            )  # fmt: skip
+            for k, v in funcs
+        ],
+    )
+
+
+def profile_pass(arms, client, server, ctx, c, turns, max_tokens, server_log) -> dict:
+    """One more (untimed) workload per HTTP arm under cProfile timed by each thread's CPU
+    clock (a wall clock would charge GIL waits to whatever call was pending): the event loop's
+    thread and the client threads, self time by package (shares more than times: the
+    profiler slows Python)."""
+    loop, out = ctx["loop"], {}
+
+    def on_loop(fn):
+        fut = concurrent.futures.Future()
+        loop.call_soon_threadsafe(lambda: (fn(), fut.set_result(None)))
+        fut.result(30)
+
+    for arm in arms:
+        if arm == "inproc":
+            continue
+        prof, clients = cProfile.Profile(time.thread_time), []
+        on_loop(prof.enable)
+        run_http(arm, client, server, c, turns, max_tokens, f"prof-{arm}", server_log, clients)
+        on_loop(prof.disable)
+        out[arm] = dict(
+            event_loop=profile_summary([prof]),
+            clients=profile_summary(clients),
+            turns=c * turns,
+        )
+    return out
+
+
+def print_profiles(profiles: dict, c: int) -> None:
+    for arm, d in profiles.items():
+        for side in ("event_loop", "clients"):
+            p = d[side]
+            share = ", ".join(
+                f"{k} {v / p['total_s']:.0%}" for k, v in list(p["by_package"].items())[:8]
+            )
+            print(f"profile C={c} {arm} {side}: {p['total_s'] * 1e3 / d['turns']:.2f} ms CPU "
+                  f"per turn (profiled): {share}")  # fmt: skip
 
 
 # ---- floors -------------------------------------------------------------------------------------
@@ -402,13 +571,25 @@ def floors(client, server, tok, n: int = 50) -> dict:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--concurrency", default="1,16")
     ap.add_argument("--arms", default="inproc,openai,stream,raw")
     ap.add_argument("--root", default=".checkpoints", help="where the tiny default lives")
     ap.add_argument("--out", default="benchmarks/results_http.json")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="after the timed repeats, one more workload per HTTP arm at the largest C under "
+        "cProfile (event loop and client threads): self time by package",
+    )
+    ap.add_argument(
+        "--switch-interval",
+        type=float,
+        default=None,
+        help="sys.setswitchinterval(S) for the whole run (default: Python's, 0.005)",
+    )
     ap.add_argument(
         "--compile-cache",
         default=None,
@@ -425,6 +606,8 @@ def main(argv=None) -> dict:
     if bad or max(cs) > ENGINE["max_seqs"]:
         ap.error(f"unknown arms {bad} or concurrency above {ENGINE['max_seqs']}")
     t_all = time.perf_counter()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     compile_cache.enable(args.compile_cache)
     model = ll.load_model(ensure_default_checkpoints(args.root)["deepseek_v3"])
     base_tok = chat.ChatTokenizer()
@@ -437,11 +620,9 @@ def main(argv=None) -> dict:
     t_warm = time.perf_counter() - t0
     print(f"warmup (both engines): {t_warm:.1f} s", flush=True)
     backend = Backend.for_engine(served, base_tok, MODEL, max_queue=64)
-    server_log = hook_server_log(backend)
+    server_log, ctx = hook_server_log(backend)
     server = ServerThread(backend).start()
-    client = openai.OpenAI(
-        base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120
-    )
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
     runs: dict = {(c, a): [] for c in cs for a in arms}
     try:
         t0 = time.perf_counter()
@@ -469,6 +650,13 @@ def main(argv=None) -> dict:
             print(f"repeat {rep + 1}/{args.repeats} done", flush=True)
         t_timed = time.perf_counter() - t0
         fl = floors(client, server, tok)
+        profiles = (
+            profile_pass(
+                arms, client, server, ctx, max(cs), args.turns, args.max_tokens, server_log
+            )  # fmt: skip
+            if args.profile
+            else None
+        )
     finally:
         server.stop()
     summary = summarize(runs, arms, cs)
@@ -484,6 +672,8 @@ def main(argv=None) -> dict:
         f"prompt {fl['render_ms']:.2f} ms"
     )
     print(f"agreement with inproc (prompt and output ids): {agree}")
+    if profiles:
+        print_profiles(profiles, max(cs))
     print(f"completion tokens per turn: mean {np.mean(outputs):.1f} (max {args.max_tokens})")
     wall = time.perf_counter() - t_all
     print(f"wall: {wall:.0f} s (warmup {t_warm:.0f} s, timed repeats {t_timed:.0f} s)")
@@ -497,12 +687,14 @@ def main(argv=None) -> dict:
             engine={k: str(v) for k, v in ENGINE.items()},
             model="tiny deepseek_v3",
             python=sys.version.split()[0],
+            switch_interval_s=sys.getswitchinterval(),
             jax=jax.__version__,
             backend=jax.default_backend(),
         ),
         summary=summary,
         floors=fl,
         agreement=agree,
+        profiles=profiles,
         completion_tokens_mean=float(np.mean(outputs)),
         wall_s=wall,
         warmup_s=t_warm,
@@ -511,6 +703,7 @@ def main(argv=None) -> dict:
             f"{c}/{a}": [
                 dict(
                     wall=run["wall"],
+                    cpu_s_per_turn=run["cpu"],
                     latency=[[r["latency"] for r in s] for s in run["records"]],
                     ttft=[[r.get("ttft") for r in s] for s in run["records"]],
                 )

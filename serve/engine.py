@@ -55,7 +55,7 @@ import leyline_jax as ll
 from leyline_jax import directives as dv
 from leyline_jax import kv_state as kv
 from leyline_jax import paged
-from leyline_jax.config import check_tokens
+from leyline_jax.config import check_ids, check_tokens
 from leyline_jax.directives import Mode
 from serve import budget, lineage
 from serve.budget import KVPlan, TurnPlan
@@ -198,6 +198,66 @@ class Engine:
         sid = next(self._ids)
         self.sessions[sid] = Session(sid, last_used=time.perf_counter())
         return sid
+
+    def restore_session(
+        self,
+        session: int,
+        tokens: Sequence[int],
+        *,
+        pages: Sequence[int] = (),
+        cached: int = 0,
+        clean: int = 0,
+    ) -> None:
+        """Recreate session `session` as a snapshot saved it (`serve.snapshot.restore`): its
+        token list and, with `pages`, a free sequence slot holding tokens[:cached] in those
+        pages (whose KV the caller already wrote, e.g. `paged.load_pages`; the last may be
+        partly filled; the sequence takes one reference to each). tokens[:clean] is clean (a
+        fresh prefill's KV) and enters the radix cache as a finished turn's does; KV past it
+        (AMORTIZE-spliced) serves this session only. The session is idle and most recently
+        used; later `open_session` ids are above `session`. Raises ValueError, before anything
+        changes, for an id in use, lengths that disagree (0 <= clean <= cached <= len(tokens),
+        pages covering tokens[:cached] exactly, nothing cached without pages), or no free
+        sequence slot."""
+        if not is_int(session) or session < 0:
+            raise ValueError(f"session id {session!r} must be a non-negative integer")
+        if session in self.sessions:
+            raise ValueError(f"session {session} is already open")
+        toks = check_tokens(tokens, self.model.config.vocab_size, allow_empty=True).tolist()
+        if not all(is_int(v) for v in (cached, clean)) or not 0 <= clean <= cached <= len(toks):
+            raise ValueError(f"need 0 <= clean ({clean}) <= cached ({cached}) <= {len(toks)}")
+        pages = list(pages)
+        if len(pages) != -(-cached // self.page_size):
+            raise ValueError(f"{len(pages)} pages for {cached} cached tokens of {self.page_size}")
+        s = Session(int(session), toks, last_used=time.perf_counter())
+        if cached:
+            used = {x.seq for x in self.sessions.values() if x.seq is not None}
+            free = [q for q in range(self.state.max_seqs) if q not in used]
+            if not free:
+                raise ValueError(f"no free sequence slot for session {session}")
+            self.state = paged.adopt(self.state, free[0], pages, toks[:cached], partial=True)
+            s.seq, s.cached, s.clean = free[0], cached, clean
+            self._cache_prefix(s)
+        self.sessions[s.id] = s
+        self._ids = itertools.count(max(next(self._ids), s.id + 1))
+
+    def restore_prefix(self, tokens: Sequence[int], pages: Sequence[int]) -> int:
+        """Offer the radix cache `tokens` (len(pages) whole pages) whose KV, as a fresh prefill
+        of them gives it, is held in `pages` (pages in use: a snapshot's prefix cache, loaded
+        by `serve.snapshot.restore`); the cache takes one reference to each page it newly
+        holds (none for a prefix it already has). Returns how many. Without a radix cache:
+        0. Raises ValueError for tokens that do not fill the pages or pages not in use."""
+        if self.radix is None:
+            return 0
+        toks = check_tokens(tokens, self.model.config.vocab_size, allow_empty=True).tolist()
+        p = check_ids(pages, self.state.num_pages, "page id", allow_empty=True).tolist()
+        if len(toks) != len(p) * self.page_size:
+            raise ValueError(f"{len(toks)} tokens do not fill {len(p)} pages")
+        if (self.state.refcount[p] == 0).any():
+            raise ValueError("prefix pages must be pages in use")
+        taken = self.radix.insert(toks, p)
+        if taken:
+            self.state = paged.retain(self.state, taken)
+        return len(taken)
 
     def submit(
         self,

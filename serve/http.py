@@ -63,8 +63,10 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
+from typing import Annotated
 
 from fastapi import FastAPI, Header, Request
+from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from sse_starlette.sse import EventSourceResponse
@@ -95,6 +97,8 @@ __all__ = [
 ]
 
 DEFAULT_MAX_TOKENS = 256  # chat completions without max_tokens: this, within the context
+# the X-Session-Id header: names the conversation, like the body's `session_id`
+SessionHeader = Annotated[str | None, Header(min_length=1, max_length=256)]
 
 
 # ---- tokenizers ---------------------------------------------------------------------------
@@ -815,8 +819,11 @@ def build_app(backend: Backend):
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, e: StarletteHTTPException):
         type_ = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        # what the framework refused before any field was read: the path (no such
+        # endpoint), the method, or the body itself (not JSON, not UTF-8)
+        param = {404: "path", 405: "method"}.get(e.status_code, "body")
         return error_response(
-            e.status_code, str(e.detail), None, type_, headers=getattr(e, "headers", None)
+            e.status_code, str(e.detail), param, type_, headers=getattr(e, "headers", None)
         )
 
     app.add_middleware(_CountRequests, metrics=metrics)
@@ -832,8 +839,6 @@ def build_app(backend: Backend):
             )
 
     def session_key(body_id: str | None, header_id: str | None) -> str | None:
-        if header_id is not None and not 1 <= len(header_id) <= 256:
-            raise APIError(400, "X-Session-Id must be 1 to 256 characters", "X-Session-Id")
         if body_id is not None and header_id is not None and body_id != header_id:
             raise APIError(
                 400, "session_id and the X-Session-Id header name different sessions", "session_id"
@@ -1022,7 +1027,7 @@ def build_app(backend: Backend):
         }
 
     @app.delete("/v1/sessions/{session_id}")
-    async def close_session(session_id: str):
+    async def close_session(session_id: str = PathParam(min_length=1, max_length=256)):
         if not worker.alive:
             raise APIError(
                 503,
@@ -1051,7 +1056,9 @@ def build_app(backend: Backend):
 
     @app.post("/v1/chat/completions")
     async def chat_completions(
-        req: ChatCompletionRequest, request: Request, x_session_id: str | None = Header(None)
+        req: ChatCompletionRequest,
+        request: Request,
+        x_session_id: SessionHeader = None,
     ):
         check_model(req.model)
         key = session_key(req.session_id, x_session_id)
@@ -1194,7 +1201,9 @@ def build_app(backend: Backend):
 
     @app.post("/v1/completions")
     async def completions(
-        req: CompletionRequest, request: Request, x_session_id: str | None = Header(None)
+        req: CompletionRequest,
+        request: Request,
+        x_session_id: SessionHeader = None,
     ):
         check_model(req.model)
         key = session_key(req.session_id, x_session_id)

@@ -326,7 +326,9 @@ def error_body(
     type_: str = "invalid_request_error",
     code: str | None = None,
 ) -> dict:
-    """OpenAI's error object."""
+    """OpenAI's error object; a message about a field starts with the field's name."""
+    if param and not message.startswith(param):
+        message = f"{param}: {message}"
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
@@ -350,7 +352,7 @@ def validation_param(loc) -> str:
     "role") -> "messages.0.role"; the body itself -> "body"). Union members pydantic names in
     the location (a type, or a model's class name) are not fields and are left out."""
     parts = [str(p) for p in loc]
-    if parts and parts[0] == "body":
+    if parts and parts[0] in ("body", "header", "path", "query"):
         parts = parts[1:]
     parts = [
         p

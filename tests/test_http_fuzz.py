@@ -1,0 +1,99 @@
+"""Property-based fuzzing of the HTTP API from its own OpenAPI schema (schemathesis): requests
+generated to fit the schema and to break it, against a live server on the tiny default model.
+No request may get a 5xx; every 4xx is OpenAI's error JSON naming the offending field in
+`param` and starting its message with it. At least 1000 requests in all."""
+
+from __future__ import annotations
+
+import collections
+
+import jax.numpy as jnp
+import pytest
+
+schemathesis = pytest.importorskip("schemathesis")
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis.errors import Unsatisfiable  # noqa: E402
+
+import leyline_jax as ll  # noqa: E402
+from checkpoints.tiny import ensure_default_checkpoints  # noqa: E402
+from serve import chat  # noqa: E402
+from serve.engine import Engine  # noqa: E402
+from serve.http import Backend, ServerThread  # noqa: E402
+
+EXAMPLES = 200  # per operation and generation mode (those with few distinct inputs run fewer)
+MINIMUM = 1000
+COUNTS: collections.Counter = collections.Counter()
+
+
+@pytest.fixture(scope="module")
+def fuzz_server(tmp_path_factory):
+    model = ll.load_model(
+        ensure_default_checkpoints(tmp_path_factory.mktemp("ckpt"))["deepseek_v3"]
+    )
+    engine = Engine(
+        model, num_pages=96, page_size=16, max_seqs=4, max_seq_len=512, kv_dtype=jnp.float32
+    )
+    backend = Backend.for_engine(
+        engine, chat.ChatTokenizer(), "tiny", default_max_tokens=4, request_timeout_s=60
+    )
+    with ServerThread(backend) as srv:
+        yield srv
+
+
+def operations(server):
+    schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
+    return [r.ok() for r in schema.get_all_operations()]
+
+
+def check(case, server, gen) -> None:
+    if gen is schemathesis.GenerationMode.POSITIVE and isinstance(case.body, dict):
+        case.body["model"] = "tiny"  # the one model served: let valid bodies reach the engine
+    response = case.call(base_url=server.url, timeout=120)
+    status = response.status_code
+    COUNTS[case.operation.label, f"{status // 100}xx"] += 1
+    assert status < 500, (status, case.as_curl_command(), response.text[:2000])
+    if 400 <= status < 500:
+        err = response.json()["error"]
+        assert err["param"], (status, case.as_curl_command(), err)
+        assert err["message"].startswith(err["param"]), err
+        assert err["type"] and err["message"]
+
+
+@pytest.mark.parametrize("mode", ["positive", "negative"])
+def test_no_5xx_and_every_4xx_names_its_field(fuzz_server, mode):
+    """Each operation's strategy (schemathesis' generation from the schema, driven by
+    hypothesis here: its pytest plugin does not run on this pytest), derandomized."""
+    gen = schemathesis.GenerationMode(mode)
+    for op in operations(fuzz_server):
+
+        @given(case=op.as_strategy(generation_mode=gen))
+        @settings(
+            max_examples=EXAMPLES,
+            deadline=None,
+            derandomize=True,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+        )
+        def run(case):
+            check(case, fuzz_server, gen)
+
+        try:
+            run()
+        except Unsatisfiable:  # nothing to break: an operation without parameters or body
+            assert (
+                gen is schemathesis.GenerationMode.NEGATIVE
+                and not op.body
+                and not any(True for _ in op.iter_parameters())
+            ), op.label
+
+
+def test_the_fuzzer_sent_enough_requests():
+    """Runs after the fuzz test (same module, file order): the count it reached."""
+    if not COUNTS:
+        pytest.skip("the fuzz test did not run in this session")
+    print(dict(COUNTS))
+    assert sum(COUNTS.values()) >= MINIMUM, dict(COUNTS)
+    # the generated requests reach the engine, and are refused, on both generating endpoints
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        assert COUNTS[f"POST {path}", "2xx"] and COUNTS[f"POST {path}", "4xx"], dict(COUNTS)
