@@ -13,34 +13,44 @@ Arms, one workload each, in alternating order from repeat to repeat (drift hits 
 - `inproc`: per turn, the C prompts rendered as the server renders them (`chat.render` plus
   `ReplyMemory.substitute`, outside the timed span), submitted together
   (`Engine.submit_prompt`), then `engine.step()` until all are done, as the server's worker
-  steps them; latency = the request's submission to its last token (`TurnStats.latency_s`),
-  TTFT = submission to first token;
+  steps them; latency = the request's submission to its last token (`TurnStats.latency_s`);
 - `openai`: C client threads (one shared official `openai` client), each running its session
   with `X-Session-Id`, non-streaming; latency = the client call, from call to parsed reply;
-- `stream`: the same with `stream=True`; TTFT = the first chunk with content (the role chunk
-  the server sends before any token does not count), latency = through `[DONE]`;
+- `stream`: the same with `stream=True`; latency = through `[DONE]`; TTFC (time to first
+  content) = the first chunk with content, against the in-process arm's submission to the
+  token that lets the server send content (the server holds back an incomplete UTF-8
+  character, and the tiny model's ids modulo 256 often begin with one: the first content
+  usually comes with the 2nd-4th token, so the engine's TTFT would flatter the in-process
+  side; the role chunk the server sends before any token does not count);
 - `raw`: the same requests as `openai`, non-streaming, over `http.client` with `json` (one
   keep-alive connection per thread): the server's cost without the openai client's.
 
 Every arm's prompts and outputs are compared with `inproc`'s (same session, turn, repeat);
 the report says whether they all agree. Overhead = HTTP - in-process at the same percentile,
 in ms and as a ratio (pooled over repeats; `paired` = the median of per-turn differences,
-same session and turn in the same repeat). Where the time goes, for `openai` and `raw`: the
-server's own timestamps of each turn (the handler's `Job.arrived`, the engine's
-`submitted_s`, `finished_s`, read through the metrics hook the worker calls when a turn ends)
-split the client's latency into pre (client call to the handler's job: the client building
-and sending, uvicorn, pydantic validation, rendering), hand-off (the job to the engine on the
-worker thread), engine (submission to the last token, as `inproc`'s latency) and post (last
-token to the parsed reply: the event back to the loop, the response JSON, the client's
-parse). Floors measured in the same run: a `GET /v1/models` round trip (openai client and
-raw), and rendering one prompt.
+same session and turn in the same repeat).
 
-Everything runs in one process (the clients too, as in tests/test_http.py), so at C = 16 the
-16 client threads share the GIL and the machine's cores with uvicorn and the engine thread.
+Where the time goes. The server's own timestamps of each turn (the handler's `Job.arrived`,
+the engine's `submitted_s` and `finished_s`, and when each token was handed to the event loop),
+read through two calls the worker thread makes (its metrics' `turn_done` and its `_publish`,
+wrapped as instance attributes: serve/http.py is untouched), split an `openai` or `raw`
+turn into pre (client call to the handler's job: the client building and sending, uvicorn,
+pydantic validation, rendering), hand-off (the job to the engine on the worker thread),
+engine (submission to the last token, as `inproc`'s latency) and post (last token to the
+parsed reply: the event back to the loop, the response JSON, the client's parse); a `stream`
+turn's first content into delivery (its token handed to the loop -> the chunk parsed by the
+client). CPU per turn of each thread (the event loop's, the engine worker's, the clients',
+the in-process driver's; the process's, XLA's threads included). Floors: a `GET /v1/models`
+round trip (openai client and raw), and rendering one prompt. `--profile`: one more workload
+per HTTP arm at the largest C under cProfile on the threads' CPU clocks, self time by package.
 
-    python -m benchmarks.http_bench [--repeats 7] [--turns 6] [--max-tokens 16]
+Everything runs in one process (the clients too, as in tests/test_http.py), so the client
+threads share the GIL and the machine's cores with uvicorn and the engine thread.
+
+    python -m benchmarks.http_bench [--repeats 10] [--turns 6] [--max-tokens 16]
         [--concurrency 1,16] [--arms inproc,openai,stream,raw]
-        [--out benchmarks/results_http.json] [--compile-cache DIR|off]
+        [--profile] [--switch-interval S] [--out benchmarks/results_http.json]
+        [--compile-cache DIR|off]
 """
 
 from __future__ import annotations
@@ -89,6 +99,17 @@ def pct(xs, q: float) -> float:
     return float(np.percentile(np.asarray(xs, np.float64), q)) if xs else float("nan")
 
 
+def first_content(tok, output: list[int]) -> int | None:
+    """Index of the token whose arrival lets the server stream its first content (the
+    server's `OutputText` holds back an incomplete UTF-8 character: with the tiny model's ids
+    taken modulo 256, often the first tokens); None: the reply has no content."""
+    text = OutputText(tok, tok.stop_tokens, [], ())
+    for k in range(len(output)):
+        if text.update(output[: k + 1]):
+            return k
+    return len(output) - 1 if text.update(output, final=True) else None
+
+
 # ---- the in-process arm -----------------------------------------------------------------------
 def run_inproc(engine: Engine, tok, c: int, turns: int, max_tokens: int, tag: str) -> dict:
     """C sessions in lockstep: per turn, render all, submit all, step until all are done."""
@@ -108,8 +129,12 @@ def run_inproc(engine: Engine, tok, c: int, turns: int, max_tokens: int, tag: st
         reqs = [
             engine.submit_prompt(sids[i], prompts[i], sampling=sp) for i in range(c)
         ]  # submitted together
+        times: list[list[float]] = [[] for _ in reqs]  # when each token was seen
         while not all(r.finished for r in reqs):
             engine.step()
+            now = time.perf_counter()
+            for r, ts in zip(reqs, times, strict=True):
+                ts.extend([now] * (len(r.output) - len(ts)))
         for i, r in enumerate(reqs):
             if r.error is not None:
                 raise r.error
@@ -119,10 +144,12 @@ def run_inproc(engine: Engine, tok, c: int, turns: int, max_tokens: int, tag: st
             ids = out[:-1] if out and out[-1] in tok.stop_tokens else out
             replies.remember(keys[i], text.text, ids)  # what the server's remember_reply does
             msgs[i].append({"role": "assistant", "content": text.text})
+            k = first_content(tok, out)
             recs[keys[i]].append(
                 dict(
                     latency=r.stats.latency_s,
                     ttft=r.stats.ttft_s,
+                    ttfc=None if k is None else times[i][k] - r.stats.submitted_s,
                     prompt=prompts[i],
                     output=out,
                 )
@@ -179,19 +206,19 @@ def http_session(
                 t1 = time.perf_counter()
                 content, ley = r.choices[0].message.content, r.model_extra["leyline"]
             else:  # stream
-                parts, ttft, last = [], None, None
+                parts, ttfc, last = [], None, None
                 t0 = time.perf_counter()
                 for ch in client.chat.completions.create(
                     **kw, stream=True, extra_headers={"X-Session-Id": key}, extra_body=extra
                 ):
                     if ch.choices and ch.choices[0].delta.content:
-                        if ttft is None:
-                            ttft = time.perf_counter() - t0
+                        if ttfc is None:
+                            ttfc = time.perf_counter() - t0
                         parts.append(ch.choices[0].delta.content)
                     last = ch
                 t1 = time.perf_counter()
                 content, ley = "".join(parts), last.model_extra["leyline"]
-                rec["ttft"] = ttft
+                rec["ttfc"] = ttfc
             rec.update(
                 t0=t0,
                 t1=t1,
@@ -266,16 +293,26 @@ def run_http(arm, client, server, c, turns, max_tokens, tag, server_log, profile
 
 
 def hook_server_log(backend) -> tuple[dict, dict]:
-    """Record (arrived, submitted, first token, finished) of every finished turn, per session,
-    through the worker's metrics call (an instance attribute: serve/http.py is untouched);
-    and the server's event loop (`ctx["loop"]`, from the jobs)."""
+    """Record (arrived, submitted, first token, finished, when each token was handed to the
+    event loop) of every finished turn, per session, through two calls the worker thread
+    makes: its metrics' `turn_done` and its `_publish` after each step, wrapped as instance
+    attributes before the worker starts (serve/http.py is untouched; the wrapper adds one
+    length check per job and step). Also the server's event loop (`ctx["loop"]`)."""
     log: dict[str, list[dict]] = {}
     ctx: dict = {"loop": None}
-    metrics = backend.metrics
-    original = metrics.turn_done
+    worker, metrics = backend.worker, backend.metrics
+    turn_done_, publish_ = metrics.turn_done, worker._publish
+    handed: dict[int, list[float]] = {}  # id(job) -> when each of its tokens was posted
+
+    def publish():
+        now = time.perf_counter()
+        for job in worker.jobs:
+            ts = handed.setdefault(id(job), [])
+            ts.extend([now] * (len(job.request.output) - len(ts)))
+        publish_()
 
     def turn_done(job):
-        original(job)
+        turn_done_(job)
         ctx["loop"] = job.loop
         st = job.request.stats
         log.setdefault(job.session_key, []).append(
@@ -284,10 +321,11 @@ def hook_server_log(backend) -> tuple[dict, dict]:
                 submitted=st.submitted_s,
                 first=st.first_token_s,
                 finished=st.finished_s,
+                handed=handed.pop(id(job), []),
             )
         )
 
-    metrics.turn_done = turn_done
+    metrics.turn_done, worker._publish = turn_done, publish
     return log, ctx
 
 
@@ -296,19 +334,22 @@ def flat(run: dict, field: str) -> list[float]:
     return [r[field] for sess in run["records"] for r in sess if r.get(field) is not None]
 
 
-def summarize(runs: dict, arms, cs) -> dict:
+def summarize(runs: dict, arms, cs, tok) -> dict:
     """runs[(c, arm)] -> list over repeats of {records, wall}."""
     out = {}
     for c in cs:
         base = runs[(c, "inproc")]
         b_lat = [x for run in base for x in flat(run, "latency")]
         b_ttft = [x for run in base for x in flat(run, "ttft")]
+        b_ttfc = [x for run in base for x in flat(run, "ttfc")]
         row = {
             "inproc": dict(
                 p50_ms=pct(b_lat, 50) * 1e3,
                 p95_ms=pct(b_lat, 95) * 1e3,
                 ttft_p50_ms=pct(b_ttft, 50) * 1e3,
                 ttft_p95_ms=pct(b_ttft, 95) * 1e3,
+                ttfc_p50_ms=pct(b_ttfc, 50) * 1e3,
+                ttfc_p95_ms=pct(b_ttfc, 95) * 1e3,
                 wall_ms=statistics.median(r["wall"] for r in base) * 1e3,
                 n=len(b_lat),
                 cpu_ms_per_turn=cpu_median(base),
@@ -320,14 +361,14 @@ def summarize(runs: dict, arms, cs) -> dict:
             rs = runs[(c, arm)]
             metrics = [("latency", "latency", "")]
             if arm == "stream":
-                metrics.append(("ttft", "ttft", "ttft_"))
+                metrics.append(("ttfc", "ttfc", "ttfc_"))
             d = {
                 "wall_ms": statistics.median(r["wall"] for r in rs) * 1e3,
                 "cpu_ms_per_turn": cpu_median(rs),
             }
             for field, bfield, pre in metrics:
                 xs = [x for run in rs for x in flat(run, field)]
-                bs = b_lat if bfield == "latency" else b_ttft
+                bs = b_lat if bfield == "latency" else b_ttfc
                 paired = []
                 for run, brun in zip(rs, base, strict=True):
                     for sess, bsess in zip(run["records"], brun["records"], strict=True):
@@ -352,18 +393,31 @@ def summarize(runs: dict, arms, cs) -> dict:
                             seg["post"].append(r["t1"] - r["finished"])
                 d["segments_p50_ms"] = {k: pct(v, 50) * 1e3 for k, v in seg.items()}
                 d["segments_mean_ms"] = {k: float(np.mean(v)) * 1e3 for k, v in seg.items()}
-            if arm == "stream":  # the first token: engine sampled it -> the client has it
-                seg = {"first_token_delivery": [], "engine": [], "after_last_token": []}
+            if arm == "stream":  # the first content's token: handed to the loop -> client
+                seg = {"first_content_delivery": [], "engine": [], "after_last_token": []}
                 for run in rs:
                     for sess in run["records"]:
                         for r in sess:
-                            if r.get("ttft") is not None:
-                                seg["first_token_delivery"].append(r["t0"] + r["ttft"] - r["first"])
+                            k = first_content(tok, r["output"])
+                            if r.get("ttfc") is not None and k is not None and r["handed"]:
+                                handed = r["handed"][min(k, len(r["handed"]) - 1)]
+                                seg["first_content_delivery"].append(r["t0"] + r["ttfc"] - handed)
                             seg["engine"].append(r["finished"] - r["submitted"])
                             seg["after_last_token"].append(r["t1"] - r["finished"])
                 d["segments_p50_ms"] = {k: pct(v, 50) * 1e3 for k, v in seg.items()}
             row[arm] = d
         out[str(c)] = row
+    return out
+
+
+def per_repeat(run: dict) -> dict:
+    """One repeat of one arm, in ms: wall time, p50/p95 of latency (and TTFT, TTFC)."""
+    out = {"wall": round(run["wall"] * 1e3, 2)}
+    for field in ("latency", "ttft", "ttfc"):
+        xs = flat(run, field)
+        if xs:
+            out[f"{field}_p50"] = round(pct(xs, 50) * 1e3, 2)
+            out[f"{field}_p95"] = round(pct(xs, 95) * 1e3, 2)
     return out
 
 
@@ -402,7 +456,7 @@ def table(summary: dict, cs, arms) -> str:
             if arm == "inproc":
                 continue
             d = row[arm]
-            for pre, name, bp in (("", arm, ""), ("ttft_", f"{arm} TTFT", "ttft_")):
+            for pre, name, bp in (("", arm, ""), ("ttfc_", f"{arm} TTFC", "ttfc_")):
                 if f"{pre}p50_ms" not in d:
                     continue
                 lines.append(
@@ -433,16 +487,17 @@ def table(summary: dict, cs, arms) -> str:
     if "stream" in arms:
         lines += [
             "",
-            "Streaming (p50 ms): the first token from the engine's sampling to the client's "
-            "parsed chunk; the engine's span; the last token to the parsed [DONE]:",
+            "Streaming (p50 ms): first-content delivery = the token that makes the first "
+            "content handed to the event loop -> its chunk parsed by the client; the engine's "
+            "span; the last token -> the parsed [DONE]:",
             "",
-            "| C | first-token delivery | engine | after the last token |",
+            "| C | first-content delivery | engine | after the last token |",
             "|---:|---:|---:|---:|",
         ]
         for c in cs:
             s = summary[str(c)]["stream"]["segments_p50_ms"]
             lines.append(
-                f"| {c} | {s['first_token_delivery']:.2f} | {s['engine']:.2f} "
+                f"| {c} | {s['first_content_delivery']:.2f} | {s['engine']:.2f} "
                 f"| {s['after_last_token']:.2f} |"
             )
     lines += [
@@ -464,8 +519,10 @@ def table(summary: dict, cs, arms) -> str:
 def _group(key) -> str:
     """The package (or builtin) a profiled function belongs to."""
     file, _, name = key
-    if file == "~":
-        return name.split(" of ")[-1].strip("<>'") if " of " in name else name.strip("<>")
+    if file == "~":  # "<method 'decode' of 'tokenizers.Tokenizer' objects>", "<built-in ...>"
+        if " of " in name:
+            return "C:" + name.split(" of ")[-1].removesuffix(" objects>").strip("'")
+        return "C:" + name.strip("<>").removeprefix("built-in method ")
     parts = file.replace("\\", "/").split("/")
     if "site-packages" in parts:
         return parts[parts.index("site-packages") + 1].removesuffix(".py")
@@ -571,7 +628,7 @@ def floors(client, server, tok, n: int = 50) -> dict:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--concurrency", default="1,16")
@@ -659,7 +716,7 @@ def main(argv=None) -> dict:
         )
     finally:
         server.stop()
-    summary = summarize(runs, arms, cs)
+    summary = summarize(runs, arms, cs, tok)
     agree = agreement(runs, arms, cs)
     outputs = [len(r["output"]) for run in runs[(cs[0], "inproc")] for s in run["records"]
                for r in s]  # fmt: skip
@@ -699,18 +756,8 @@ def main(argv=None) -> dict:
         wall_s=wall,
         warmup_s=t_warm,
         timed_s=t_timed,
-        runs={
-            f"{c}/{a}": [
-                dict(
-                    wall=run["wall"],
-                    cpu_s_per_turn=run["cpu"],
-                    latency=[[r["latency"] for r in s] for s in run["records"]],
-                    ttft=[[r.get("ttft") for r in s] for s in run["records"]],
-                )
-                for run in runs[(c, a)]
-            ]
-            for c in cs
-            for a in arms
+        repeats_ms={  # per repeat: the workload's wall time and latency percentiles
+            f"{c}/{a}": [per_repeat(run) for run in runs[(c, a)]] for c in cs for a in arms
         },
     )
     if args.out:

@@ -18,8 +18,9 @@ A snapshot (`checkpoints.sessions`: atomic, crash-safe) holds two arrays and a J
 - `extra`: the caller's own JSON-able data, returned by `restore`.
 
 A session with a turn in flight (running or queued) is saved as what its KV holds,
-tokens[:cached] (the turn itself is not saved: its caller submits it again); an offloaded one
-keeps its token list with nothing cached.
+tokens[:cached] (none, if it is offloaded too; the turn itself is not saved: its caller
+submits it again, e.g. as a whole prompt); an idle offloaded session keeps its token list with
+nothing cached. Radix paths are taken along the whole token list either way.
 """
 
 from __future__ import annotations
@@ -123,12 +124,11 @@ def restore(engine: Engine, root: str | os.PathLike) -> dict | None:
         raise ValueError(
             f"the snapshot holds {k} KV pages; this engine's pool has {free} free of {st.num_pages}"
         )
-    slots = sum(1 for r in sessions if r["cached"])
-    busy = {int(q) for q in np.flatnonzero(st.active)}
-    if slots > st.max_seqs - len(busy):
+    slots, free_slots = sum(1 for r in sessions if r["cached"]), st.max_seqs - int(st.active.sum())
+    if slots > free_slots:
         raise ValueError(
-            f"the snapshot has {slots} sessions holding KV; this engine has "
-            f"{st.max_seqs - len(busy)} free sequence slots"
+            f"the snapshot has {slots} sessions holding KV; this engine has {free_slots} free "
+            "sequence slots"
         )
     long = [r for r in sessions if len(r["tokens"]) > st.max_seq_len]
     if long:
@@ -224,7 +224,9 @@ def _parse(engine: Engine, meta: dict, arrays: dict) -> tuple[list, list, np.nda
         ):
             raise CheckpointError(f"the snapshot's {name} pages do not have the layout's shape")
         if a.dtype != pool.dtype or a.shape[1] != moved.shape[1]:
-            raise CheckpointError(f"the snapshot's {name} pages do not have the layout's dtype")
+            raise CheckpointError(
+                f"the snapshot's {name} pages: dtype {a.dtype}, {a.shape[1]} pages"
+            )
     k, vocab = moved.shape[1], engine.model.config.vocab_size
 
     def ints(v, hi: int) -> bool:

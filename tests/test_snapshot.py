@@ -229,6 +229,58 @@ def test_round_trip_on_gqa(np_ckpt, tmp_path):
         assert r1.result() == r2.result() and stats(r1) == stats(r2)
 
 
+RESTORER = textwrap.dedent(
+    """
+    import json, sys
+    import jax.numpy as jnp
+    import leyline_jax as ll
+    from serve import snapshot
+    from serve.engine import Engine, SamplingParams
+
+    ckpt, root, engine_kw, turns = sys.argv[1], sys.argv[2], *map(json.loads, sys.argv[3:])
+    engine = Engine(ll.load_model(ckpt), kv_dtype=jnp.float32, **engine_kw)
+    extra = snapshot.restore(engine, root)
+    out = []
+    for sid, tokens in turns:
+        r = engine.submit(sid, tokens, sampling=SamplingParams(3))
+        st = r.stats
+        out.append([r.result(), st.prompt_tokens, st.reused_tokens, st.spliced_tokens])
+    print(json.dumps({"extra": extra, "turns": out}))
+    """
+)
+
+
+def test_restore_in_a_new_process(model, ckpts, tmp_path):
+    """The use it is for: save, then restore in another process (the model loaded again from
+    its checkpoint) and run each session's next turn there: tokens and counts equal."""
+    e1 = make_engine(model)
+    a, b = e1.open_session(), e1.open_session()
+    e1.submit(a, SYSTEM + rand(20, 50), sampling=SamplingParams(3)).result()
+    e1.submit(b, SYSTEM + rand(9, 51), sampling=SamplingParams(3)).result()
+    e1.submit(
+        a, [5], directives=[ll.Directive(22, 29, [1, 2])], sampling=SamplingParams(2)
+    ).result()
+    snapshot.save(e1, tmp_path, {"who": "test"})
+    turns = [[a, rand(2, 52)], [b, rand(3, 53)]]
+    proc = subprocess.run(
+        [sys.executable, "-c", RESTORER, str(ckpts["deepseek_v3"]), str(tmp_path)]
+        + [json.dumps(ENGINE), json.dumps(turns)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["extra"] == {"who": "test"}
+    for (sid, tokens), row in zip(turns, got["turns"], strict=True):
+        cached = e1.sessions[sid].cached
+        r = e1.submit(sid, tokens, sampling=SamplingParams(3))
+        st = r.stats
+        assert row == [r.result(), st.prompt_tokens, st.reused_tokens, st.spliced_tokens]
+        assert st.reused_tokens == cached  # every cached token, spliced ones included
+
+
 @pytest.fixture(scope="module")
 def saved(model, tmp_path_factory):
     """A snapshot of a small engine: (root, number of saved pages)."""
@@ -463,6 +515,17 @@ WRITER = textwrap.dedent(
 )
 
 
+def temp_bytes(root: Path) -> int | None:
+    """Bytes in the writer's temporary directory so far; None while there is none."""
+    temp = [p for p in root.iterdir() if p.name.startswith(".tmp-snapshot-")]
+    if not temp:
+        return None
+    try:
+        return sum(f.stat().st_size for f in temp[0].rglob("*") if f.is_file())
+    except OSError:  # orbax renames its own temporary files as it goes: look again
+        return 0
+
+
 def kill_mid_write(root: Path, mib: int, when: str) -> bool:
     """Run a writer process and SIGKILL it mid-write: once its temporary directory appears
     ("temp"), once it holds data ("data"), or at its commit ("pause"). True when it was killed
@@ -481,9 +544,8 @@ def kill_mid_write(root: Path, mib: int, when: str) -> bool:
         else:
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline and proc.poll() is None:
-                temp = [p for p in root.iterdir() if p.name.startswith(".tmp-snapshot-")]
-                size = sum(f.stat().st_size for t in temp for f in t.rglob("*") if f.is_file())
-                if temp and (when == "temp" or size > 1 << 20):
+                size = temp_bytes(root)
+                if size is not None and (when == "temp" or size > 1 << 20):
                     break
                 time.sleep(0.001)
         proc.send_signal(signal.SIGKILL)
