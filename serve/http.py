@@ -3,11 +3,12 @@
     python -m serve.http --model PATH|tiny|smollm2 [--port 8000] [--host 127.0.0.1]
                          [--num-pages 512] [--page-size 16] [--max-seqs 16] [--kv-dtype bf16]
                          [--max-queue 64] [--warmup] [--compile-cache DIR|off]
+                         [--snapshot-dir DIR]
 
 Endpoints: `POST /v1/chat/completions` (SSE streaming or not; `tools` rendered in the model's
 chat layout by `serve.chat.render`, tool calls in the output parsed back into `tool_calls`),
 `POST /v1/completions` (text or token ids), `GET /v1/models`, `GET /health`, `GET /metrics`
-(Prometheus text), `DELETE /v1/sessions/{id}`.
+(Prometheus text), `DELETE /v1/sessions/{id}`, `POST /v1/snapshot`.
 
 Threads. The engine runs on one thread that owns the device (`EngineWorker`): requests reach it
 through a queue of commands (submit, cancel, close); after every engine step it hands each
@@ -57,6 +58,7 @@ import logging
 import os
 import queue
 import re
+import signal
 import socket
 import threading
 import time
@@ -404,6 +406,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue
     directives: list = dataclasses.field(default_factory=list)  # in `prompt`'s coordinates
+    incremental: bool = True  # tokens as each step samples them (else once, at the end)
     arrived: float = dataclasses.field(default_factory=time.perf_counter)
     request: object = None  # the engine's Request, once submitted
     sid: int | None = None
@@ -551,6 +554,8 @@ class EngineWorker:
                         eng.cancel(job.request)
                     self._end(job, ("error", e))
         for job in list(self.jobs):
+            if job.request is not None:
+                eng.cancel(job.request)
             self._end(job, ("error", RuntimeError("the server is shutting down")))
 
     def _handle(self, cmd) -> None:
@@ -574,6 +579,24 @@ class EngineWorker:
             except (KeyError, ValueError) as e:
                 result = e
             loop.call_soon_threadsafe(fut.set_result, result)
+        elif kind == "snapshot":
+            _, root, extra, loop, fut = cmd
+            try:
+                result = self.snapshot(root, extra)
+            except (OSError, ValueError) as e:
+                log.exception("snapshot failed")
+                result = e
+            loop.call_soon_threadsafe(fut.set_result, result)
+
+    def snapshot(self, root, extra: dict) -> Path:
+        """Save the engine's sessions under `root` (`serve.snapshot.save`), with the HTTP
+        sessions' names and `extra`. On the engine thread between steps, or once it stopped."""
+        from serve import snapshot
+
+        return snapshot.save(self.engine, root, {**extra, "http_sessions": dict(self.sessions)})
+
+    def request_snapshot(self, root, extra: dict, loop, fut) -> None:
+        self.commands.put(("snapshot", root, extra, loop, fut))
 
     def _submit(self, job: Job) -> None:
         eng = self.engine
@@ -599,7 +622,7 @@ class EngineWorker:
         eng = self.engine
         for job in list(self.jobs):
             r = job.request
-            if len(r.output) > job.sent:
+            if len(r.output) > job.sent and (job.incremental or r.finished):
                 job.post("tokens", list(r.output[job.sent :]))
                 job.sent = len(r.output)
             if r.finished:
@@ -644,6 +667,7 @@ class Backend:
     vocab_size: int
     default_max_tokens: int = DEFAULT_MAX_TOKENS
     request_timeout_s: float = 600.0
+    snapshot_dir: str | None = None  # durable sessions: restored at start, saved at shutdown
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
     @property
@@ -779,6 +803,51 @@ class Turn:
         return apply_to_list(self.prompt, self.directives)
 
 
+def server_extra(app) -> dict:
+    """The HTTP layer's own per-session data a snapshot keeps (event-loop thread): each
+    session's replies' sampled ids and what context editing cleared."""
+    return {
+        "replies": app.state.replies.export(),
+        "cleared": {k: sorted(v) for k, v in app.state.context.cleared.items()},
+    }
+
+
+def restore_sessions(app) -> int:
+    """Restore the sessions of the snapshot in `backend.snapshot_dir`, if there is one, into
+    the app's engine (not yet serving): engine sessions (`serve.snapshot.restore`: a snapshot
+    of another model or layout is refused with ValueError), their HTTP names, replies and
+    context-editing records. Engine sessions no HTTP session names (a sessionless request's,
+    in flight when the snapshot was taken) are closed. Returns the sessions restored."""
+    from serve import snapshot
+
+    b = app.state.backend
+    engine = b.worker.engine
+    extra = snapshot.restore(engine, b.snapshot_dir)
+    if extra is None:
+        return 0
+    names = {str(k): int(v) for k, v in extra.get("http_sessions", {}).items()}
+    for sid in [sid for sid in engine.sessions if sid not in names.values()]:
+        engine.close_session(sid)
+    b.worker.sessions = names
+    app.state.replies.load(extra.get("replies", {}))
+    app.state.context.cleared = {str(k): set(v) for k, v in extra.get("cleared", {}).items()}
+    log.info("restored %d sessions from %s", len(names), b.snapshot_dir)
+    return len(names)
+
+
+def save_at_shutdown(app) -> Path | None:
+    """Snapshot the sessions once the engine worker has stopped (`ServerThread.stop`, and
+    `main` after uvicorn returns, on SIGTERM or SIGINT). None without a snapshot dir."""
+    b = app.state.backend
+    if b.snapshot_dir is None:
+        return None
+    if b.worker.thread.is_alive():
+        raise RuntimeError("stop the engine worker before the shutdown snapshot")
+    path = b.worker.snapshot(b.snapshot_dir, server_extra(app))
+    log.info("saved %d sessions to %s", len(b.worker.sessions), path)
+    return path
+
+
 def build_app(backend: Backend):
     """The FastAPI app serving `backend` (start its worker before serving: `ServerThread` and
     `main` do)."""
@@ -791,6 +860,8 @@ def build_app(backend: Backend):
     tok, metrics, worker = backend.tokenizer, backend.metrics, backend.worker
     replies = app.state.replies = ReplyMemory()
     context = app.state.context = ContextEditor(lambda text: len(tok.encode(text)))
+    if backend.snapshot_dir is not None:
+        restore_sessions(app)
 
     def error_response(
         status, message, param=None, type_="invalid_request_error", code=None, headers=None
@@ -876,6 +947,7 @@ def build_app(backend: Backend):
         mode = Mode.FORGET if req.options.mode == "forget" else Mode.AMORTIZE
         loop = asyncio.get_running_loop()
         job = Job(prompt, sampling, mode, key, loop, asyncio.Queue(), list(directives))
+        job.incremental = req.stream or bool(req.stops)  # else nothing to do before the end
         if not worker.alive:
             raise APIError(
                 503,
@@ -1053,6 +1125,27 @@ def build_app(backend: Backend):
             raise APIError(409, str(err), "session_id", code="session_busy")
         replies.forget(session_id)
         return {"id": session_id, "object": "session", "deleted": True}
+
+    @app.post("/v1/snapshot")
+    async def take_snapshot():
+        """Save every session now (as at shutdown): admin."""
+        if backend.snapshot_dir is None:
+            raise APIError(
+                409,
+                "this server was started without --snapshot-dir",
+                "snapshot_dir",
+                code="no_snapshot_dir",
+            )
+        if not worker.alive:
+            raise APIError(503, "the engine is not running", None, "server_error",
+                           code="unavailable", headers={"Retry-After": "5"})  # fmt: skip
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        worker.request_snapshot(backend.snapshot_dir, server_extra(app), loop, fut)
+        result = await fut
+        if isinstance(result, BaseException):
+            raise APIError(500, f"the snapshot failed: {result}", None, "server_error")
+        return {"object": "snapshot", "path": str(result), "sessions": len(worker.sessions)}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(
@@ -1358,6 +1451,7 @@ class ServerThread:
         self.server.should_exit = True
         self.thread.join(10)
         self.backend.worker.stop()
+        save_at_shutdown(self.app)
 
     def __enter__(self):
         return self.start()
@@ -1394,6 +1488,12 @@ def main(argv=None) -> None:
     ap.add_argument("--request-timeout", type=float, default=600.0)
     ap.add_argument("--warmup", action="store_true", help="compile every step shape first")
     ap.add_argument(
+        "--snapshot-dir",
+        default=None,
+        help="durable sessions: restore them from DIR at start, save them there on shutdown "
+        "(SIGTERM, SIGINT) and on POST /v1/snapshot",
+    )
+    ap.add_argument(
         "--compile-cache",
         default=None,
         help="keep compiled programs in DIR (default: serve.compile_cache's; off)",
@@ -1417,6 +1517,7 @@ def main(argv=None) -> None:
         warmup=args.warmup,
         default_max_tokens=args.max_tokens,
         request_timeout_s=args.request_timeout,
+        snapshot_dir=args.snapshot_dir,
     )
     import uvicorn
 
@@ -1425,10 +1526,17 @@ def main(argv=None) -> None:
     log.info(
         "serving %s on http://%s:%d (pid %d)", backend.model_name, args.host, args.port, os.getpid()
     )
+    # uvicorn shuts down gracefully on SIGTERM / SIGINT, puts back the handlers it found and
+    # raises the signal again: these handlers then let the shutdown snapshot run and the
+    # process exit 0 (a signal during the snapshot itself is ignored: it completes)
+    stops: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stops.append(signum))
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     finally:
         backend.worker.stop()
+        save_at_shutdown(app)
 
 
 if __name__ == "__main__":

@@ -11,10 +11,14 @@ modulo the vocabulary (`serve.http.ModVocabTokenizer`).
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -34,6 +38,7 @@ from serve.http import (  # noqa: E402
     ModVocabTokenizer,
     OutputText,
     ServerThread,
+    free_port,
     parse_tool_calls,
 )
 
@@ -43,8 +48,15 @@ SYSTEM = "You are a terse assistant. Tool results arrive in tool messages."
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return ll.load_model(ensure_default_checkpoints(tmp_path_factory.mktemp("ckpt"))["deepseek_v3"])
+def ckpt_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    ensure_default_checkpoints(root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def model(ckpt_dir):
+    return ll.load_model(ensure_default_checkpoints(ckpt_dir)["deepseek_v3"])
 
 
 @pytest.fixture(scope="module")
@@ -568,3 +580,104 @@ def test_replay_over_http_equals_serve_replay(model, base_tokenizer):
                 urllib.request.urlopen(req).close()  # as the replay closes a finished trace
             assert prompt_tokens == row["prompt_tokens"]
             assert cached / prompt_tokens == pytest.approx(row["hit_rate"], abs=1e-12), side
+
+
+# ---- durable sessions ---------------------------------------------------------------------------
+def test_a_server_without_a_snapshot_dir_refuses_to_snapshot(server):
+    status, _, raw = post(server, "/v1/snapshot", {})
+    assert status == 409 and json.loads(raw)["error"]["param"] == "snapshot_dir"
+
+
+class Process:
+    """`python -m serve.http` in a process of its own (fp32 KV, a small pool)."""
+
+    def __init__(self, ckpt_dir, snapshots, cache):
+        self.port = free_port()
+        args = ["--model", "tiny", "--root", str(ckpt_dir), "--port", str(self.port),
+                "--kv-dtype", "fp32", "--num-pages", "64", "--max-seqs", "4",
+                "--snapshot-dir", str(snapshots), "--compile-cache", str(cache)]  # fmt: skip
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "serve.http", *args],
+            cwd=Path(__file__).resolve().parents[1],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.url = f"http://127.0.0.1:{self.port}"
+        t0 = time.time()
+        while True:
+            assert self.proc.poll() is None, self.proc.stdout.read()
+            assert time.time() - t0 < 300, "the server did not come up"
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.2)
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
+
+    def turn(self, messages):
+        r = self.client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=4, temperature=0,
+            extra_headers={"X-Session-Id": "durable"},
+            extra_body={"leyline": {"return_token_ids": True}},
+        )  # fmt: skip
+        return r, ids(r)["prompt_token_ids"], ids(r)["output_token_ids"]
+
+    def stop(self, sig) -> str:
+        self.proc.send_signal(sig)
+        out, _ = self.proc.communicate(timeout=120)
+        return out
+
+
+def test_sessions_survive_a_restart(request, ckpt_dir, model, tmp_path):
+    """A real server process: a turn, a snapshot on request (POST /v1/snapshot), a second
+    turn, then SIGKILL (no shutdown snapshot). Restarted, it restores the requested snapshot:
+    the second turn, re-sent, reuses the first turn's KV. A third turn, SIGTERM (the shutdown
+    snapshot), a restart: the fourth turn reuses everything before it. Every turn's output
+    equals the same prompts run through one engine that never restarted (greedy, fp32)."""
+    store = getattr(request.config, "cache", None)
+    cache = store.mkdir("leyline_xla") if store is not None else tmp_path / "xla"
+    snaps = tmp_path / "snapshots"
+    history = [{"role": "system", "content": SYSTEM}]
+    log = []  # (prompt, output) of each turn as served
+
+    def ask(srv, text):
+        history.append({"role": "user", "content": text})
+        r, prompt, out = srv.turn(history)
+        history.append({"role": "assistant", "content": r.choices[0].message.content})
+        log.append((prompt, out))
+        return r
+
+    srv = Process(ckpt_dir, snaps, cache)
+    ask(srv, "First: " + "alpha " * 30)
+    with urllib.request.urlopen(urllib.request.Request(srv.url + "/v1/snapshot", data=b"",
+                                                       method="POST")) as resp:  # fmt: skip
+        assert json.loads(resp.read())["sessions"] == 1
+    ask(srv, "Second: " + "beta " * 20)
+    srv.stop(signal.SIGKILL)  # a crash: the requested snapshot is the last one
+
+    srv = Process(ckpt_dir, snaps, cache)
+    history[-2:] = []  # the second turn is lost with the crash: the harness sends it again
+    log.pop()
+    r = ask(srv, "Second: " + "beta " * 20)
+    (p1, o1), (p2, _) = log[0], log[1]
+    assert p2[: len(p1) + len(o1)] == p1 + o1
+    assert r.usage.model_extra["reused_tokens"] == len(p1) + len(o1) - 1  # restored KV
+    ask(srv, "Third.")
+    out = srv.stop(signal.SIGTERM)
+    assert srv.proc.returncode == 0 and "saved 1 sessions" in out, out
+
+    srv = Process(ckpt_dir, snaps, cache)
+    r = ask(srv, "Fourth.")
+    (p3, o3), (p4, _) = log[2], log[3]
+    assert p4[: len(p3) + len(o3)] == p3 + o3
+    assert r.usage.model_extra["reused_tokens"] == len(p3) + len(o3) - 1
+    assert r.usage.model_extra["prefilled_tokens"] == len(p4) - (len(p3) + len(o3) - 1)
+    srv.stop(signal.SIGTERM)
+
+    engine = Engine(model, num_pages=64, page_size=16, max_seqs=4, kv_dtype=jnp.float32)
+    sid = engine.open_session()
+    sp = SamplingParams(max_new_tokens=4, stop_tokens=(1,))
+    for k, (prompt, output) in enumerate(log):
+        assert engine.submit_prompt(sid, prompt, sampling=sp).result() == output, k
