@@ -1,11 +1,11 @@
-# Two entry points: `make run` (the demo) and `make test` (the whole suite).
+# Entry points: `make run` (the demo), `make serve` (the HTTP server) and `make test` (the suite).
 # Both create the virtual environment in .venv on first use (Python 3.11 and make are enough).
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: run test lint clean
+.PHONY: run serve test lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,10 @@ $(STAMP): pyproject.toml
 
 run: $(STAMP)
 	$(PY) -m serve
+
+# the OpenAI-compatible server on the tiny default model: make serve ARGS="--model smollm2 --port 8000"
+serve: $(STAMP)
+	$(PY) -m serve.http $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
