@@ -1,5 +1,5 @@
 # Entry points: `make run` (the demo), `make serve` (the HTTP server) and `make test` (the suite).
-# Both create the virtual environment in .venv on first use (Python 3.11 and make are enough).
+# Each creates the virtual environment in .venv on first use (Python 3.11 and make are enough).
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 PY     := $(VENV)/bin/python

@@ -74,8 +74,9 @@ import numpy as np
 import leyline_jax as ll
 from checkpoints.tiny import ensure_default_checkpoints
 from serve import chat, compile_cache
+from serve.conversation import ModVocabTokenizer, OutputText, ReplyMemory
 from serve.engine import Engine, SamplingParams
-from serve.http import Backend, ModVocabTokenizer, OutputText, ReplyMemory, ServerThread
+from serve.http import Backend, ServerThread
 
 ENGINE = dict(num_pages=512, page_size=16, max_seqs=16, kv_dtype=jnp.float32)
 MODEL = "tiny"
@@ -125,7 +126,7 @@ def run_inproc(engine: Engine, tok, c: int, turns: int, max_tokens: int, tag: st
         prompts = []
         for i in range(c):
             msgs[i] += conversation(i, t)
-            prompts.append(replies.substitute(keys[i], msgs[i], chat.render(tok, msgs[i])))
+            prompts.append(replies.substitute(keys[i], msgs[i], chat.render(tok, msgs[i])).tokens)
         reqs = [
             engine.submit_prompt(sids[i], prompts[i], sampling=sp) for i in range(c)
         ]  # submitted together

@@ -343,8 +343,9 @@ class Engine:
     def cancel(self, request: Request) -> bool:
         """End a queued or running turn where it stands (between steps), failing it with
         `TurnCancelled`; returns whether it was still live. Its session keeps what the turn did
-        so far, consistently (a turn cut mid-prefill leaves `tokens[:cached]` cached, like an
-        offloaded one) and the radix cache gets its clean prefix, as when a turn finishes. What
+        so far, consistently (a turn cut mid-prefill keeps its whole prompt as the session's
+        tokens with `tokens[:cached]` in the KV: the next turn's edit and feed plan starts from
+        there) and the radix cache gets its clean prefix, as when a turn finishes. What
         a server calls when its client goes away."""
         if not isinstance(request, Request) or request.engine is not self:
             raise ValueError("request must be a Request of this engine")

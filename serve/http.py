@@ -38,6 +38,17 @@ is full, 503 with `Retry-After` while the engine is not running. A client that d
 mid-stream (or before a non-streaming answer) cancels its turn: the engine stops working on it
 at the next step and a session of its own is closed (its pages go back to the pool).
 
+Explicit directives (`leyline.directives`, message-granular: `MessageDirective`) become token
+directives in the rendered history's coordinates (`token_directives`), each spliced in its own
+mode; `context_management` (Anthropic's `clear_tool_uses_20250919`) is applied to the history
+by `ContextEditor` (`serve.policies.ClearToolUses` over the session's record of what it
+cleared) before rendering, and reported in `context_management.applied_edits`.
+
+Durable sessions (`--snapshot-dir`): restored when the app is built; saved on `POST
+/v1/snapshot` by the engine thread between steps, and at shutdown (SIGTERM, SIGINT,
+`ServerThread.stop`) by the main thread once the worker has stopped; through `serve.snapshot`,
+with the HTTP layer's own per-session data (`server_extra`).
+
 Tokenizers. A checkpoint gets `serve.chat.tokenizer_for(path)` (a GGUF file: its own tokenizer
 and ChatML; anything else: DeepSeek's tokenizer and layout). A model whose vocabulary is smaller
 than its tokenizer's, such as the embedded tiny default (256 ids) with DeepSeek's tokenizer
@@ -51,19 +62,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
 import dataclasses
 import json
 import logging
 import os
-import queue
-import re
 import signal
 import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Annotated
 
@@ -75,6 +83,16 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve import chat
+from serve.conversation import (
+    ContextEditor,
+    ModVocabTokenizer,
+    OutputText,
+    ReplyMemory,
+    edit_messages,
+    parse_tool_calls,
+    token_directives,
+    tool_markers,
+)
 from serve.engine import TurnCancelled
 from serve.openai_api import (
     ChatCompletionRequest,
@@ -82,577 +100,15 @@ from serve.openai_api import (
     error_body,
     validation_param,
 )
+from serve.worker import EngineWorker, Job, Metrics, QueueFull, SessionBusy, ShuttingDown
 
 log = logging.getLogger("serve.http")
 
-__all__ = [
-    "APIError",
-    "Backend",
-    "EngineWorker",
-    "ModVocabTokenizer",
-    "ServerThread",
-    "build_app",
-    "free_port",
-    "load_backend",
-    "main",
-    "parse_tool_calls",
-]
+__all__ = ["APIError", "Backend", "ServerThread", "build_app", "free_port", "load_backend", "main"]
 
 DEFAULT_MAX_TOKENS = 256  # chat completions without max_tokens: this, within the context
 # the X-Session-Id header: names the conversation, like the body's `session_id`
 SessionHeader = Annotated[str | None, Header(min_length=1, max_length=256)]
-
-
-# ---- tokenizers ---------------------------------------------------------------------------
-class ModVocabTokenizer:
-    """A `serve.chat.ChatTokenizer` for a model with a smaller vocabulary: every id it makes
-    (text and special tokens) is taken modulo `vocab`; decoding reads ids as the base
-    tokenizer's own. Duck-types what `serve.chat.render` uses (`format`, `encode`, `special`)."""
-
-    def __init__(self, base, vocab: int):
-        self.base, self.format, self.vocab_size = base, base.format, int(vocab)
-
-    def encode(self, text: str) -> list[int]:
-        return [i % self.vocab_size for i in self.base.encode(text)]
-
-    def decode(self, ids, *, skip_special_tokens: bool = False) -> str:
-        return self.base.decode(list(ids), skip_special_tokens=skip_special_tokens)
-
-    def special(self, token: str) -> int:
-        return self.base.special(token) % self.vocab_size
-
-    @property
-    def stop_tokens(self) -> tuple[int, ...]:
-        return (self.special(self.format.stop),)
-
-
-# ---- tool calls in the output -------------------------------------------------------------
-HERMES_BEGIN, HERMES_END = "<tool_call>", "</tool_call>"
-
-
-def tool_markers(tokenizer) -> tuple[str, ...]:
-    """The text that opens a tool call in the tokenizer's chat format."""
-    return (HERMES_BEGIN,) if tokenizer.format.name == "chatml" else (chat.CALLS_BEGIN,)
-
-
-def _fenced(text: str) -> str:
-    m = re.fullmatch(r"\s*```(?:json)?\s*\n?(.*?)\n?```\s*", text, re.S)
-    return (m.group(1) if m else text).strip()
-
-
-def _call(name: str, args) -> dict:
-    if not isinstance(args, str):
-        args = json.dumps(args, ensure_ascii=False)
-    return {
-        "id": f"call_{uuid.uuid4().hex[:24]}",
-        "type": "function",
-        "function": {"name": name.strip(), "arguments": args},
-    }
-
-
-def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
-    """(content, tool_calls) of a generated reply. Understands DeepSeek's layout, V3's
-    `<｜tool▁call▁begin｜>function<｜tool▁sep｜>name\\n```json\\n{args}\\n```<｜tool▁call▁end｜>`
-    and V3.1's `<｜tool▁call▁begin｜>name<｜tool▁sep｜>{args}<｜tool▁call▁end｜>` inside
-    `<｜tool▁calls▁begin｜>` ... (end optional: a reply cut by its budget), and the Hermes
-    `<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks of the ChatML layout.
-    Content is the text before the first call; a reply whose calls do not parse is all
-    content, with no calls."""
-    calls: list[dict] = []
-    if chat.CALLS_BEGIN in text:
-        content, rest = text.split(chat.CALLS_BEGIN, 1)
-        rest = rest.split(chat.CALLS_END, 1)[0]
-        for body in rest.split(chat.CALL_BEGIN)[1:]:
-            body = body.split(chat.CALL_END, 1)[0]
-            if chat.TOOL_SEP not in body:
-                return text, []
-            left, right = body.split(chat.TOOL_SEP, 1)
-            if left.strip() in ("function", ""):  # V3: type, then "name\n```json ...```"
-                name, _, args = right.partition("\n")
-            else:  # V3.1: name, then the arguments
-                name, args = left, right
-            args = _fenced(args)
-            if not name.strip():
-                return text, []
-            calls.append(_call(name, args))
-        return (content, calls) if calls else (text, [])
-    if HERMES_BEGIN in text:
-        content = text.split(HERMES_BEGIN, 1)[0]
-        for body in re.findall(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", text, re.S):
-            try:
-                obj = json.loads(body)
-                calls.append(_call(obj["name"], obj.get("arguments", {})))
-            except (ValueError, KeyError, TypeError, AttributeError):
-                return text, []
-        return (content, calls) if calls else (text, [])
-    return text, []
-
-
-class OutputText:
-    """Text of a turn's output as it grows: the deltas safe to send (a multi-byte character
-    is complete, no stop string or tool-call marker may be starting), where a stop string cut
-    it, and the text before the first tool-call marker (what streams as content)."""
-
-    def __init__(
-        self, tokenizer, stop_ids: Sequence[int], stops: Sequence[str], markers: Sequence[str]
-    ):
-        self.tok, self.stop_ids = tokenizer, set(stop_ids)
-        self.stops, self.markers = list(stops), list(markers)
-        self.sent = 0  # characters of content sent
-        self.stopped = False  # a stop string was found
-        self.text = ""
-
-    def update(self, ids: Sequence[int], final: bool = False) -> str:
-        """The new content to send after the output became `ids`."""
-        if ids and ids[-1] in self.stop_ids:
-            ids = ids[:-1]
-        text = self.tok.decode(ids)
-        if not final:
-            text = text.rstrip("\ufffd")  # a multi-byte character may still be arriving
-        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
-            text, self.stopped, final = text[:cut], True, True
-        self.text = text
-        visible = text
-        m = min((i for i in (text.find(s) for s in self.markers) if i >= 0), default=-1)
-        if m >= 0:
-            visible = text[:m]
-        elif not final:  # hold back what may be the start of a stop string or a marker
-            hold = 0
-            for s in self.stops + self.markers:
-                for k in range(min(len(s) - 1, len(visible)), hold, -1):
-                    if visible.endswith(s[:k]):
-                        hold = k
-                        break
-            visible = visible[: len(visible) - hold]
-        delta = visible[self.sent :]
-        self.sent = max(self.sent, len(visible))
-        return delta
-
-
-class ReplyMemory:
-    """The token ids of each session's replies, in order, with the text the server returned
-    for them. A harness re-sends a reply as text; re-encoding text need not give back the ids
-    the model sampled (and never does for `ModVocabTokenizer`), which would make the session's
-    diff see an edit at every reply. Rendering a re-sent assistant message whose content is a
-    remembered reply (and that carries no tool calls) uses the sampled ids instead, so an
-    unedited history is a pure extension of the session. Re-sent replies are matched to the
-    remembered ones in order (two replies with the same text may have different ids), skipping
-    any the harness dropped. Event-loop thread only."""
-
-    def __init__(self, per_session: int = 512, sessions: int = 4096):
-        self.per_session, self.max_sessions = per_session, sessions
-        self._by_session: collections.OrderedDict[str, list[tuple[str, list[int]]]] = (
-            collections.OrderedDict()
-        )
-
-    def remember(self, session: str, text: str, ids: Sequence[int]) -> None:
-        replies = self._by_session.setdefault(session, [])
-        self._by_session.move_to_end(session)
-        replies.append((text, list(ids)))
-        del replies[: max(0, len(replies) - self.per_session)]
-        while len(self._by_session) > self.max_sessions:
-            self._by_session.popitem(last=False)
-
-    def forget(self, session: str) -> None:
-        self._by_session.pop(session, None)
-
-    def export(self) -> dict[str, list[tuple[str, list[int]]]]:
-        """Everything remembered (a snapshot's part), oldest session first."""
-        return {k: [(t, list(i)) for t, i in v] for k, v in self._by_session.items()}
-
-    def load(self, data: dict) -> None:
-        self._by_session = collections.OrderedDict(
-            (str(k), [(str(t), [int(x) for x in i]) for t, i in v]) for k, v in data.items()
-        )
-
-    def substitute(self, session: str | None, messages: list[dict], rendered) -> list[int]:
-        """`rendered.tokens` with remembered replies' ids in their messages' content spans."""
-        replies = self._by_session.get(session) if session is not None else None
-        if not replies:
-            return list(rendered.tokens)
-        found = []  # (span, ids), in message order
-        j = 0
-        for span in sorted(rendered.spans, key=lambda sp: sp.content_start):
-            m = messages[span.index]
-            if span.role != "assistant" or m.get("tool_calls"):
-                continue
-            text = m.get("content") or ""
-            k = next((k for k in range(j, len(replies)) if replies[k][0] == text), None)
-            if k is not None:
-                found.append((span, replies[k][1]))
-                j = k + 1
-        toks = list(rendered.tokens)
-        for span, ids in reversed(found):
-            toks[span.content_start : span.content_end] = ids
-        return toks
-
-
-# ---- explicit directives and server-side context editing -----------------------------------
-def edit_messages(messages: list[dict], directives) -> list[dict]:
-    """The history with each `MessageDirective` applied: messages i..j become message i, its
-    content the replacement, without tool calls (see `serve.openai_api.MessageDirective`)."""
-    out = [dict(m) for m in messages]
-    for d in sorted(directives, key=lambda d: d.messages, reverse=True):
-        i, j = d.messages
-        m = out[i]
-        m["content"] = d.replacement
-        m.pop("tool_calls", None)
-        del out[i + 1 : j + 1]
-    return out
-
-
-def token_directives(prompt, edited, spans, edited_spans, directives, default_mode) -> list:
-    """The token-level directives (in `prompt`'s coordinates) that turn the rendered history
-    `prompt` into the rendered edited history `edited` (`spans`, `edited_spans`: their
-    message spans): one per message directive, replacing its messages' tokens by the edited
-    message's, less the tokens they begin and end with alike (role markup, shared text), in
-    its mode. When the layout renders more than those messages differently (a chat format
-    that groups neighbouring messages, say), the two renders are diffed instead
-    (`serve.edits.detect_edits`) and each edit takes the strongest mode of the directives it
-    touches."""
-    from leyline_jax.directives import Directive, Mode, apply_to_list
-    from serve.edits import detect_edits, strongest
-
-    modes = {"amortize": Mode.AMORTIZE, "forget": Mode.FORGET}
-    by_index = {sp.index: sp for sp in spans}
-    new_index = {sp.index: sp for sp in edited_spans}
-    out, regions, removed = [], [], 0
-    for d in sorted(directives, key=lambda d: d.messages):
-        i, j = d.messages
-        a, b = by_index[i].start, by_index[j].end
-        e = new_index[i - removed]
-        repl = list(edited[e.start : e.end])
-        removed += j - i
-        while a < b and repl and prompt[a] == repl[0]:
-            a, repl = a + 1, repl[1:]
-        while a < b and repl and prompt[b - 1] == repl[-1]:
-            b, repl = b - 1, repl[:-1]
-        mode = modes[d.mode or default_mode]
-        regions.append((by_index[i].start, by_index[j].end, mode))
-        if a < b or repl:
-            out.append(Directive(a, b, tuple(repl), mode))
-    if apply_to_list(prompt, out) == list(edited):
-        return out
-    ds, tail = detect_edits(prompt, edited)
-    if tail:  # an edit reaching the end of the history: one directive to the end
-        if ds and ds[-1].end == len(prompt):
-            last = ds.pop()
-            ds.append(Directive(last.start, last.end, last.replacement + tuple(tail)))
-        else:
-            ds.append(Directive(len(prompt), len(prompt), tuple(tail)))
-    out = []
-    for d in ds:
-        hit = [m for a, b, m in regions if d.start < b and a < max(d.end, d.start + 1)]
-        mode = strongest(hit or [m for _, _, m in regions])
-        out.append(Directive(d.start, d.end, d.replacement, mode))
-    return out
-
-
-class ContextEditor:
-    """Anthropic-style context editing (`clear_tool_uses_20250919`) applied by the server:
-    `serve.policies.ClearToolUses` with the request's parameters, over the session's own
-    record of what it cleared (so what was cleared stays cleared, and the session's cache
-    keeps hitting after the edit). Tokens are the server's tokenizer's. Event-loop thread
-    only."""
-
-    def __init__(self, count_tokens):
-        self.count = count_tokens
-        self.cleared: dict[str, set[int]] = {}
-
-    def apply(self, key: str | None, messages: list[dict], edit) -> tuple[list[dict], dict]:
-        """(the edited history, the `applied_edits` entry: tool uses cleared in the history
-        the model runs, and the input tokens that removed)."""
-        from serve.policies import ClearToolUses
-
-        trig = edit.trigger
-        policy = ClearToolUses(
-            trigger_input_tokens=trig.value if trig.type == "input_tokens" else None,
-            trigger_tool_uses=trig.value if trig.type == "tool_uses" else None,
-            keep=edit.keep.value,
-            clear_at_least=edit.clear_at_least.value if edit.clear_at_least else 0,
-            exclude_tools=tuple(edit.exclude_tools or ()),
-            clear_tool_inputs=(
-                edit.clear_tool_inputs
-                if isinstance(edit.clear_tool_inputs, bool)
-                else tuple(edit.clear_tool_inputs)
-            ),
-            count_tokens=self.count,
-        )
-        name = key if key is not None else f"request-{uuid.uuid4().hex}"
-        policy.cleared = {name: self.cleared.setdefault(name, set()) if key else set()}
-        out = policy.apply(name, messages)
-        uses, tokens = policy.applied(name, messages)
-        report = {
-            "type": "clear_tool_uses_20250919",
-            "cleared_tool_uses": uses,
-            "cleared_input_tokens": tokens,
-        }
-        return out, report
-
-    def forget(self, key: str) -> None:
-        self.cleared.pop(key, None)
-
-
-# ---- the engine thread ----------------------------------------------------------------------
-@dataclasses.dataclass(eq=False)
-class Job:
-    """One HTTP request's turn, as the engine thread tracks it."""
-
-    prompt: list[int]
-    sampling: object  # SamplingParams
-    mode: object  # Mode
-    session_key: str | None  # None: a session of its own, closed when the turn ends
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue
-    directives: list = dataclasses.field(default_factory=list)  # in `prompt`'s coordinates
-    incremental: bool = True  # tokens as each step samples them (else once, at the end)
-    arrived: float = dataclasses.field(default_factory=time.perf_counter)
-    request: object = None  # the engine's Request, once submitted
-    sid: int | None = None
-    sent: int = 0
-    cancelled: bool = False
-    done: bool = False
-
-    def post(self, *event) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
-        except RuntimeError:  # the event loop is gone (shutdown)
-            pass
-
-
-class QueueFull(RuntimeError):
-    pass
-
-
-class Metrics:
-    """The server's Prometheus metrics, in a registry of its own."""
-
-    def __init__(self):
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
-        r = self.registry = CollectorRegistry()
-        self.requests = Counter(
-            "leyline_http_requests",
-            "HTTP requests by endpoint and status",
-            ["endpoint", "status"],
-            registry=r,
-        )
-        self.turns = Counter(
-            "leyline_turns", "Turns the engine ended, by outcome", ["outcome"], registry=r
-        )
-        self.prompt_tokens = Counter(
-            "leyline_prompt_tokens",
-            "Prompt tokens of finished turns, by where their KV came from",
-            ["source"],
-            registry=r,
-        )
-        self.completion_tokens = Counter(
-            "leyline_completion_tokens", "Generated tokens", registry=r
-        )
-        self.hit_rate = Gauge(
-            "leyline_cache_hit_rate",
-            "(reused + spliced) / prompt tokens over all finished turns",
-            registry=r,
-        )
-        self.queue_depth = Gauge("leyline_queue_depth", "Turns waiting for admission", registry=r)
-        self.running = Gauge("leyline_running_turns", "Turns running", registry=r)
-        self.free_pages = Gauge("leyline_free_pages", "Free KV pages in the pool", registry=r)
-        self.sessions = Gauge("leyline_sessions", "Open engine sessions", registry=r)
-        buckets = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-        self.ttft = Histogram(
-            "leyline_ttft_seconds", "Arrival to first token", buckets=buckets, registry=r
-        )
-        self.step = Histogram(
-            "leyline_step_seconds", "One engine step", buckets=buckets, registry=r
-        )
-        self.latency = Histogram(
-            "leyline_turn_seconds", "Arrival to the turn's end", buckets=buckets, registry=r
-        )
-        self._prompt = self._cached = 0
-
-    def turn_done(self, job: Job) -> None:
-        st = job.request.stats
-        self.prompt_tokens.labels("reused").inc(st.reused_tokens)
-        self.prompt_tokens.labels("spliced").inc(st.spliced_tokens)
-        self.prompt_tokens.labels("prefilled").inc(st.prefilled_tokens)
-        self.completion_tokens.inc(len(job.request.output))
-        self._prompt += st.prompt_tokens
-        self._cached += st.reused_tokens + st.spliced_tokens
-        self.hit_rate.set(self._cached / self._prompt if self._prompt else 0.0)
-        if st.first_token_s is not None:
-            self.ttft.observe(st.first_token_s - job.arrived)
-        if st.finished_s is not None:
-            self.latency.observe(st.finished_s - job.arrived)
-
-
-class EngineWorker:
-    """The thread that owns the engine. Everything else talks to it through `commands`."""
-
-    def __init__(self, engine, metrics: Metrics, max_queue: int = 64):
-        self.engine, self.metrics, self.max_queue = engine, metrics, max_queue
-        self.commands: queue.Queue = queue.Queue()
-        self.sessions: dict[str, int] = {}  # HTTP session id -> engine session
-        self.jobs: list[Job] = []  # submitted, not yet ended (engine thread only)
-        self.pending = 0  # jobs accepted and not yet ended (guarded by _lock)
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, name="leyline-engine", daemon=True)
-
-    # -- called from the HTTP side ------------------------------------------------------------
-    def start(self) -> None:
-        self.thread.start()
-
-    def stop(self, timeout: float = 30.0) -> None:
-        self._stop.set()
-        self.commands.put(("wake",))
-        self.thread.join(timeout)
-
-    @property
-    def alive(self) -> bool:
-        return self.thread.is_alive() and not self._stop.is_set()
-
-    def submit(self, job: Job) -> None:
-        with self._lock:
-            if self.pending >= self.max_queue:
-                raise QueueFull(f"{self.pending} requests in flight (the limit)")
-            self.pending += 1
-        self.commands.put(("submit", job))
-
-    def cancel(self, job: Job) -> None:
-        if not job.done:
-            job.cancelled = True
-            self.commands.put(("cancel", job))
-
-    def close_session(self, key: str, loop, fut) -> None:
-        self.commands.put(("close", key, loop, fut))
-
-    # -- the engine thread --------------------------------------------------------------------
-    def _run(self) -> None:
-        eng = self.engine
-        while not self._stop.is_set():
-            try:
-                block = eng.idle() and not self.jobs
-                cmd = self.commands.get(timeout=0.5) if block else self.commands.get_nowait()
-                self._handle(cmd)
-                while True:
-                    self._handle(self.commands.get_nowait())
-            except queue.Empty:
-                pass
-            try:
-                if not eng.idle():
-                    t0 = time.perf_counter()
-                    eng.step()
-                    self.metrics.step.observe(time.perf_counter() - t0)
-                self._publish()
-            except Exception as e:  # an engine bug: fail what is in flight, keep serving
-                log.exception("engine step failed")
-                self.error = e
-                for job in list(self.jobs):
-                    if job.request is not None:
-                        eng.cancel(job.request)
-                    self._end(job, ("error", e))
-        for job in list(self.jobs):
-            if job.request is not None:
-                eng.cancel(job.request)
-            self._end(job, ("error", RuntimeError("the server is shutting down")))
-
-    def _handle(self, cmd) -> None:
-        kind = cmd[0]
-        if kind == "submit":
-            self._submit(cmd[1])
-        elif kind == "cancel":
-            job = cmd[1]
-            if job.request is not None and not job.done:
-                self.engine.cancel(job.request)
-        elif kind == "close":
-            _, key, loop, fut = cmd
-            try:
-                sid = self.sessions[key]
-                busy = any(j.sid == sid for j in self.jobs)
-                if busy:
-                    raise ValueError(f"session {key!r} has a turn in flight")
-                self.engine.close_session(sid)
-                del self.sessions[key]
-                result = None
-            except (KeyError, ValueError) as e:
-                result = e
-            loop.call_soon_threadsafe(fut.set_result, result)
-        elif kind == "snapshot":
-            _, root, extra, loop, fut = cmd
-            try:
-                result = self.snapshot(root, extra)
-            except (OSError, ValueError) as e:
-                log.exception("snapshot failed")
-                result = e
-            loop.call_soon_threadsafe(fut.set_result, result)
-
-    def snapshot(self, root, extra: dict) -> Path:
-        """Save the engine's sessions under `root` (`serve.snapshot.save`), with the HTTP
-        sessions' names and `extra`. On the engine thread between steps, or once it stopped."""
-        from serve import snapshot
-
-        return snapshot.save(self.engine, root, {**extra, "http_sessions": dict(self.sessions)})
-
-    def request_snapshot(self, root, extra: dict, loop, fut) -> None:
-        self.commands.put(("snapshot", root, extra, loop, fut))
-
-    def _submit(self, job: Job) -> None:
-        eng = self.engine
-        if job.cancelled:
-            self._end(job, ("error", TurnCancelled("the turn was cancelled")), submitted=False)
-            return
-        try:
-            if job.session_key is None:
-                job.sid = eng.open_session()
-            else:
-                job.sid = self.sessions.get(job.session_key)
-                if job.sid is None:
-                    job.sid = self.sessions[job.session_key] = eng.open_session()
-            job.request = eng.submit_prompt(
-                job.sid, job.prompt, mode=job.mode, sampling=job.sampling, directives=job.directives
-            )
-        except (ValueError, KeyError) as e:
-            self._end(job, ("error", e), submitted=False)
-            return
-        self.jobs.append(job)
-
-    def _publish(self) -> None:
-        eng = self.engine
-        for job in list(self.jobs):
-            r = job.request
-            if len(r.output) > job.sent and (job.incremental or r.finished):
-                job.post("tokens", list(r.output[job.sent :]))
-                job.sent = len(r.output)
-            if r.finished:
-                if r.error is None:
-                    self.metrics.turn_done(job)
-                self._end(job, ("error", r.error) if r.error else ("done", r.stats))
-        running = sum(1 for j in self.jobs if j.request.status in ("prefill", "decode"))
-        self.metrics.running.set(running)
-        self.metrics.queue_depth.set(len(self.jobs) - running)
-        from leyline_jax import kv_state
-
-        self.metrics.free_pages.set(len(kv_state.free_pages(eng.state)))
-        self.metrics.sessions.set(len(eng.sessions))
-
-    def _end(self, job: Job, event, submitted: bool = True) -> None:
-        if job.done:
-            return
-        job.done = True
-        if job in self.jobs:
-            self.jobs.remove(job)
-        outcome = event[0] if event[0] == "done" else type(event[1]).__name__
-        self.metrics.turns.labels(outcome).inc()
-        if job.session_key is None and job.sid is not None:
-            try:
-                self.engine.close_session(job.sid)  # its pages back; clean prefix stays
-            except (KeyError, ValueError):
-                log.exception("closing session %s", job.sid)
-        with self._lock:
-            self.pending -= 1
-        job.post(*event)
 
 
 # ---- the backend: model, tokenizer, engine, worker --------------------------------------------
@@ -943,20 +399,35 @@ def build_app(backend: Backend):
             stop_tokens=() if req.ignore_eos else tok.stop_tokens,
         )
 
+    def unavailable(why: str = "the engine is not running") -> APIError:
+        return APIError(
+            503, why, None, "server_error", code="unavailable", headers={"Retry-After": "5"}
+        )
+
+    def require_engine() -> None:
+        if not worker.alive:
+            raise unavailable()
+
+    async def engine_call(put) -> object:
+        """Run a command on the engine thread (`put(loop, fut)` queues it); its result. The
+        engine answers between steps; a worker that stopped meanwhile is a 503."""
+        require_engine()
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        put(loop, fut)
+        while True:
+            done, _ = await asyncio.wait({fut}, timeout=1.0)
+            if done:
+                return fut.result()
+            if not worker.thread.is_alive():
+                raise unavailable()
+
     def start_job(prompt, sampling, req, key, directives=()) -> Job:
-        mode = Mode.FORGET if req.options.mode == "forget" else Mode.AMORTIZE
+        mode = Mode[req.options.mode.upper()]
         loop = asyncio.get_running_loop()
         job = Job(prompt, sampling, mode, key, loop, asyncio.Queue(), list(directives))
         job.incremental = req.stream or bool(req.stops)  # else nothing to do before the end
-        if not worker.alive:
-            raise APIError(
-                503,
-                "the engine is not running",
-                None,
-                "server_error",
-                code="unavailable",
-                headers={"Retry-After": "5"},
-            )
+        require_engine()
         try:
             worker.submit(job)
         except QueueFull as e:
@@ -973,6 +444,8 @@ def build_app(backend: Backend):
     def engine_error(e: BaseException, field: str) -> APIError:
         if isinstance(e, TurnCancelled):
             return APIError(499, "the request was cancelled", None, code="cancelled")
+        if isinstance(e, ShuttingDown):
+            return unavailable(str(e))
         if isinstance(e, (RequestError, ValueError, KeyError)):
             return APIError(400, str(e), field, code="invalid_request")
         return APIError(500, f"internal error: {type(e).__name__}: {e}", None, "server_error")
@@ -987,7 +460,10 @@ def build_app(backend: Backend):
                 except TimeoutError:
                     if await request.is_disconnected():
                         worker.cancel(job)
+                        yield ("gone",)
                         return
+                    if not worker.thread.is_alive():  # events come from it alone
+                        raise unavailable() from None
                     if time.perf_counter() > deadline:
                         worker.cancel(job)
                         raise APIError(
@@ -1033,12 +509,9 @@ def build_app(backend: Backend):
         ds = []
         if mds:
             target = replies.substitute(key, edited, final)
-            ds = token_directives(prompt, target, r.spans, final.spans, mds, req.options.mode)
-            if not target:
-                msg = "leyline.directives: they leave no prompt"
-                raise APIError(400, msg, "leyline.directives")
+            ds = token_directives(prompt, target, mds, Mode[req.options.mode.upper()])
         use_tools = bool(req.tools) and req.tool_choice != "none"
-        return Turn(prompt, ds, use_tools, applied)
+        return Turn(prompt.tokens, ds, use_tools, applied)
 
     def remember_reply(key, text: OutputText, output, calls) -> None:
         """Keep the reply's sampled ids for the session's next render (a reply cut by a stop
@@ -1100,19 +573,7 @@ def build_app(backend: Backend):
 
     @app.delete("/v1/sessions/{session_id}")
     async def close_session(session_id: str = PathParam(min_length=1, max_length=256)):
-        if not worker.alive:
-            raise APIError(
-                503,
-                "the engine is not running",
-                None,
-                "server_error",
-                code="unavailable",
-                headers={"Retry-After": "5"},
-            )
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        worker.close_session(session_id, loop, fut)
-        err = await fut
+        err = await engine_call(lambda loop, fut: worker.close_session(session_id, loop, fut))
         if isinstance(err, KeyError):
             raise APIError(
                 404,
@@ -1121,9 +582,12 @@ def build_app(backend: Backend):
                 "not_found_error",
                 code="session_not_found",
             )
-        if err is not None:
+        if isinstance(err, SessionBusy):
             raise APIError(409, str(err), "session_id", code="session_busy")
+        if err is not None:
+            raise APIError(500, f"closing the session failed: {err}", None, "server_error")
         replies.forget(session_id)
+        context.forget(session_id)
         return {"id": session_id, "object": "session", "deleted": True}
 
     @app.post("/v1/snapshot")
@@ -1136,16 +600,14 @@ def build_app(backend: Backend):
                 "snapshot_dir",
                 code="no_snapshot_dir",
             )
-        if not worker.alive:
-            raise APIError(503, "the engine is not running", None, "server_error",
-                           code="unavailable", headers={"Retry-After": "5"})  # fmt: skip
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        worker.request_snapshot(backend.snapshot_dir, server_extra(app), loop, fut)
-        result = await fut
+        extra = server_extra(app)
+        result = await engine_call(
+            lambda loop, fut: worker.request_snapshot(backend.snapshot_dir, extra, loop, fut)
+        )
         if isinstance(result, BaseException):
             raise APIError(500, f"the snapshot failed: {result}", None, "server_error")
-        return {"object": "snapshot", "path": str(result), "sessions": len(worker.sessions)}
+        path, sessions = result
+        return {"object": "snapshot", "path": str(path), "sessions": sessions}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(
@@ -1189,12 +651,12 @@ def build_app(backend: Backend):
                         worker.cancel(job)
                 elif ev[0] == "done":
                     stats = ev[1]
+                elif ev[0] == "gone":
+                    raise APIError(499, "the client went away", None, code="cancelled")
                 elif ev[0] == "error" and not (text.stopped and isinstance(ev[1], TurnCancelled)):
                     raise engine_error(ev[1], "messages")
-            if stats is None:
-                stats = job.request.stats if job.request is not None else None
-            if stats is None:  # the client went away before anything ran
-                raise APIError(499, "the request was cancelled", None, code="cancelled")
+            if stats is None:  # cut by a stop string: the engine has ended the turn
+                stats = job.request.stats
             text.update(output, final=True)
             content, calls = parse_tool_calls(text.text) if use_tools else (text.text, [])
             remember_reply(key, text, output, calls)
@@ -1247,6 +709,8 @@ def build_app(backend: Backend):
                             worker.cancel(job)
                         if delta:
                             yield chunk({"content": delta})
+                    elif ev[0] == "gone":
+                        return
                     elif ev[0] == "error" and not (
                         text.stopped and isinstance(ev[1], TurnCancelled)
                     ):
@@ -1275,6 +739,8 @@ def build_app(backend: Backend):
                 _, calls = parse_tool_calls(text.text)
                 if calls:
                     yield chunk({"tool_calls": [dict(c, index=i) for i, c in enumerate(calls)]})
+                elif len(text.text) > text.sent:  # held back at a marker, but no call parsed:
+                    yield chunk({"content": text.text[text.sent :]})  # content, as unstreamed
             remember_reply(key, text, output, calls)
             usage = _usage(stats, len(output))
             fin = finish_reason(output, calls)
@@ -1350,10 +816,10 @@ def build_app(backend: Backend):
                     text.update(output)
                     if text.stopped:
                         worker.cancel(job)
+                elif ev[0] == "gone":
+                    raise APIError(499, "the client went away", None, code="cancelled")
                 elif ev[0] == "error" and not (text.stopped and isinstance(ev[1], TurnCancelled)):
                     raise engine_error(ev[1], "prompt")
-            if job.request is None:
-                raise APIError(499, "the request was cancelled", None, code="cancelled")
             text.update(output, final=True)
             return JSONResponse(
                 body(
@@ -1377,6 +843,8 @@ def build_app(backend: Backend):
                             worker.cancel(job)
                         if delta:
                             yield {"data": json.dumps(body([choice(delta)]))}
+                    elif ev[0] == "gone":
+                        return
                     elif ev[0] == "error" and not (
                         text.stopped and isinstance(ev[1], TurnCancelled)
                     ):
@@ -1533,7 +1001,10 @@ def main(argv=None) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stops.append(signum))
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+        # requests still running get 10 s to finish, then the worker fails what is left (503)
+        uvicorn.run(
+            app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=10
+        )
     finally:
         backend.worker.stop()
         save_at_shutdown(app)

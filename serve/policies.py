@@ -65,14 +65,15 @@ class ClearToolUses:
     clear_tool_inputs: bool | tuple[str, ...] = False
     stub: str = STUB
     count_tokens: object = None  # callable str -> int; default: ~4 characters per token
+    # per session, the tool messages (indices) cleared so far: they stay cleared (a caller
+    # that keeps its sessions' records elsewhere passes its store)
+    cleared: dict[str, set[int]] = dataclasses.field(default_factory=dict, repr=False)
 
     def __post_init__(self):
         if self.trigger_input_tokens is None and self.trigger_tool_uses is None:
             raise ValueError("set trigger_input_tokens or trigger_tool_uses")
         if self.keep < 0 or self.clear_at_least < 0:
             raise ValueError("keep and clear_at_least must be >= 0")
-        # per session, the tool messages (indices) cleared so far: they stay cleared
-        self.cleared: dict[str, set[int]] = {}
 
     def _tokens(self, text: str) -> int:
         return self.count_tokens(text) if self.count_tokens else -(-len(text) // 4)
@@ -117,7 +118,7 @@ class ClearToolUses:
         out = copy.deepcopy(messages)
         cleared = self.cleared.setdefault(session, set())
         for i in sorted(cleared):
-            if i < len(out):
+            if i < len(out) and out[i].get("role") == "tool":  # (a history that moved on)
                 self._clear(out, i)
         tools = _tool_turns(out)
         fired = (

@@ -80,7 +80,7 @@ def save(engine: Engine, root: str | os.PathLike, extra: dict | None = None) -> 
         "layout": layout(engine),
         "sessions": sessions,
         "prefixes": prefixes,
-        "extra": extra,
+        "extra": {} if extra is None else extra,
     }
     return write_snapshot(root, {"moved": moved, "rotated": rotated}, meta)
 
@@ -92,8 +92,8 @@ def restore(engine: Engine, root: str | os.PathLike) -> dict | None:
     and adopted by a sequence: `Engine.restore_session`) and lineage: its clean prefix and the
     saved radix paths enter the radix cache, spliced KV does not. Refcounts are exact
     afterwards (one reference per page-table row and radix node holding a page); later
-    `open_session` ids do not collide. Returns the snapshot's `extra` (None when there is no
-    snapshot: the engine is untouched).
+    `open_session` ids do not collide. Returns the snapshot's `extra` ({} when it was saved
+    without; None when there is no snapshot: the engine is untouched).
 
     Raises, before the engine changes: ValueError naming what differs for another layout
     (model family, config field, params, page_size, band shapes or dtypes), for a pool with
@@ -148,7 +148,7 @@ def restore(engine: Engine, root: str | os.PathLike) -> dict | None:
             clean=r["clean"],
         )
     engine.state = paged.release(engine.state, pages)  # drop the loader's references
-    return meta.get("extra")
+    return meta.get("extra") or {}
 
 
 def layout(engine: Engine) -> dict[str, Any]:

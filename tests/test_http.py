@@ -32,15 +32,9 @@ from checkpoints.tiny import ensure_default_checkpoints  # noqa: E402
 from leyline_jax import kv_state  # noqa: E402
 from leyline_jax.directives import Mode  # noqa: E402
 from serve import chat  # noqa: E402
+from serve.conversation import ModVocabTokenizer, OutputText, parse_tool_calls  # noqa: E402
 from serve.engine import Engine, SamplingParams  # noqa: E402
-from serve.http import (  # noqa: E402
-    Backend,
-    ModVocabTokenizer,
-    OutputText,
-    ServerThread,
-    free_port,
-    parse_tool_calls,
-)
+from serve.http import Backend, ServerThread, free_port  # noqa: E402
 
 ENGINE = dict(num_pages=512, page_size=16, max_seqs=16, kv_dtype=jnp.float32)
 MODEL = "tiny"
@@ -493,9 +487,13 @@ def test_explicit_directives_splice_by_message(server, client, model, base_token
     sid = engine.open_session()
     sp = SamplingParams(max_new_tokens=3, stop_tokens=(1,))
     assert engine.submit_prompt(sid, prompt1, sampling=sp).result() == out1
-    assert (
-        engine.submit(sid, tail, directives=ds, sampling=sp).result() == (extra["output_token_ids"])
-    )
+    ref = engine.submit(sid, tail, directives=ds, sampling=sp)
+    assert ref.result() == extra["output_token_ids"]
+    stats = ref.stats
+    served = r2.usage.model_extra
+    assert (stats.reused_tokens, stats.spliced_tokens, stats.prefilled_tokens) == (
+        served["reused_tokens"], served["spliced_tokens"], served["prefilled_tokens"]
+    )  # fmt: skip
 
     # the client mirrors the edits: its next request extends the session
     mirrored = [dict(m) for m in history]
@@ -505,9 +503,32 @@ def test_explicit_directives_splice_by_message(server, client, model, base_token
         {"role": "user", "content": "Thanks."},
     ]
     r3 = client.chat.completions.create(messages=mirrored, extra_body=body, **kw)
+    prompt3, out3 = ids(r3)["prompt_token_ids"], ids(r3)["output_token_ids"]
     n = len(extra["prompt_token_ids"]) + len(extra["output_token_ids"])
-    assert ids(r3)["prompt_token_ids"][:n] == extra["prompt_token_ids"] + extra["output_token_ids"]
+    assert prompt3[:n] == extra["prompt_token_ids"] + extra["output_token_ids"]
     assert r3.usage.model_extra["reused_tokens"] == n - 1
+    assert engine.submit_prompt(sid, prompt3, sampling=sp).result() == out3
+
+    # a directive after the remembered replies (rendered with their sampled ids, which need
+    # not be as long as their re-encoded text): message 8's content, located from the end
+    mirrored += [
+        {"role": "assistant", "content": r3.choices[0].message.content},
+        {"role": "user", "content": "More."},
+    ]
+    r4 = client.chat.completions.create(
+        messages=mirrored, extra_body={"leyline": {"return_token_ids": True, "directives": [
+            {"messages": [8, 8], "replacement": "Cheers!"}]}}, **kw,
+    )  # fmt: skip
+    unsub = chat.render(tok, mirrored[:9])
+    a = len(prompt3) - (len(unsub.tokens) - unsub.spans[8].content_start)
+    b = len(prompt3) - (len(unsub.tokens) - unsub.spans[8].content_end)
+    assert prompt3[a:b] == tok.encode("Thanks.")
+    d = ll.Directive(a, b, tok.encode("Cheers!"))
+    kept = ll.directives.apply_to_list(prompt3 + out3, [d])
+    assert ids(r4)["prompt_token_ids"][: len(kept)] == kept
+    ref = engine.submit(sid, ids(r4)["prompt_token_ids"][len(kept) :], directives=[d], sampling=sp)
+    assert ref.result() == ids(r4)["output_token_ids"]
+    assert ref.stats.spliced_tokens == r4.usage.model_extra["spliced_tokens"] > 0
 
 
 @pytest.mark.parametrize(
