@@ -172,6 +172,7 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
 
 def kl(p_logits: np.ndarray, q_logits: np.ndarray) -> float:
     """KL(p || q) of two next-token distributions given as logits (float64)."""
+
     def log_softmax(x):
         x = np.asarray(x, np.float64)
         x = x - x.max()
