@@ -26,8 +26,9 @@ run: $(STAMP)
 serve: $(STAMP)
 	$(PY) -m serve.http $(ARGS)
 
+# two workers (the machine's cores), each test file on one of them, in file order
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check leyline_jax pallas_kernels checkpoints serve tests

@@ -33,7 +33,7 @@ same session and turn in the same repeat).
 Where the time goes. The server's own timestamps of each turn (the handler's `Job.arrived`,
 the engine's `submitted_s` and `finished_s`, and when each token was handed to the event loop),
 read through two calls the worker thread makes (its metrics' `turn_done` and its `_publish`,
-wrapped as instance attributes: serve/http.py is untouched), split an `openai` or `raw`
+wrapped as instance attributes: the server's code is untouched), split an `openai` or `raw`
 turn into pre (client call to the handler's job: the client building and sending, uvicorn,
 pydantic validation, rendering), hand-off (the job to the engine on the worker thread),
 engine (submission to the last token, as `inproc`'s latency) and post (last token to the
@@ -297,7 +297,7 @@ def hook_server_log(backend) -> tuple[dict, dict]:
     """Record (arrived, submitted, first token, finished, when each token was handed to the
     event loop) of every finished turn, per session, through two calls the worker thread
     makes: its metrics' `turn_done` and its `_publish` after each step, wrapped as instance
-    attributes before the worker starts (serve/http.py is untouched; the wrapper adds one
+    attributes before the worker starts (the server's code is untouched; the wrapper adds one
     length check per job and step). Also the server's event loop (`ctx["loop"]`)."""
     log: dict[str, list[dict]] = {}
     ctx: dict = {"loop": None}

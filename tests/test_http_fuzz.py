@@ -21,7 +21,7 @@ from serve import chat  # noqa: E402
 from serve.engine import Engine  # noqa: E402
 from serve.http import Backend, ServerThread  # noqa: E402
 
-EXAMPLES = 200  # per operation and generation mode (those with few distinct inputs run fewer)
+EXAMPLES = 170  # per operation and generation mode (those with few distinct inputs run fewer)
 MINIMUM = 1000
 COUNTS: collections.Counter = collections.Counter()
 
@@ -32,7 +32,7 @@ def fuzz_server(tmp_path_factory):
         ensure_default_checkpoints(tmp_path_factory.mktemp("ckpt"))["deepseek_v3"]
     )
     engine = Engine(
-        model, num_pages=96, page_size=16, max_seqs=4, max_seq_len=512, kv_dtype=jnp.float32
+        model, num_pages=48, page_size=16, max_seqs=4, max_seq_len=128, kv_dtype=jnp.float32
     )
     backend = Backend.for_engine(
         engine, chat.ChatTokenizer(), "tiny", default_max_tokens=4, request_timeout_s=60
