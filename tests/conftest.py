@@ -27,6 +27,33 @@ MLA_NAMES = (*TINY_HF_CONFIGS, *TINY_HF_VARIANTS)
 DECODERS = (*FAMILIES, "llama")  # one tiny model per family, both attention families
 
 
+# `make test` runs two workers, a test file to each at a time (pytest-xdist, loadfile), handing
+# files out in collection order: the longest files first (serial seconds measured on this
+# machine, 2026-12-02) so that the two workers finish together rather than one running the last
+# long file alone. Order only: every test runs, each file's tests in their own order.
+LONGEST_FIRST = (
+    "test_engine.py",  # ~250 s
+    "test_paged.py",  # ~215 s
+    "test_cli.py",  # ~115 s (subprocesses; SmolLM2)
+    "test_http.py",  # ~90 s (a server process too)
+    "test_directives.py",
+    "test_snapshot.py",
+    "test_replay.py",
+    "test_engine_fuzz.py",
+    "test_http_fuzz.py",
+    "test_ragged_paged_attention.py",
+    "test_gguf.py",
+    "test_hardening.py",
+    "test_smollm2.py",
+    "test_parity.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _drop_compiled_programs():
     """Each test module compiles its own shapes; dropping them afterwards keeps one long pytest
