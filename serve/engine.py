@@ -230,8 +230,7 @@ class Engine:
             raise ValueError(f"{len(pages)} pages for {cached} cached tokens of {self.page_size}")
         s = Session(int(session), toks, last_used=time.perf_counter())
         if cached:
-            used = {x.seq for x in self.sessions.values() if x.seq is not None}
-            free = [q for q in range(self.state.max_seqs) if q not in used]
+            free = self._free_slots()
             if not free:
                 raise ValueError(f"no free sequence slot for session {session}")
             self.state = paged.adopt(self.state, free[0], pages, toks[:cached], partial=True)
@@ -540,9 +539,13 @@ class Engine:
         ]
         return min(idle, key=lambda s: s.last_used) if idle else None
 
-    def _take_slot(self, s: Session) -> bool:
+    def _free_slots(self) -> list[int]:
+        """Sequence slots no session holds, lowest first."""
         used = {x.seq for x in self.sessions.values() if x.seq is not None}
-        free = [i for i in range(self.state.max_seqs) if i not in used]
+        return [q for q in range(self.state.max_seqs) if q not in used]
+
+    def _take_slot(self, s: Session) -> bool:
+        free = self._free_slots()
         if not free:
             victim = self._idle_victim(exclude=s)
             if victim is None:

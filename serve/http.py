@@ -95,6 +95,7 @@ from serve.conversation import (
 )
 from serve.engine import TurnCancelled
 from serve.openai_api import (
+    SESSION_ID,
     ChatCompletionRequest,
     CompletionRequest,
     error_body,
@@ -108,7 +109,7 @@ __all__ = ["APIError", "Backend", "ServerThread", "build_app", "free_port", "loa
 
 DEFAULT_MAX_TOKENS = 256  # chat completions without max_tokens: this, within the context
 # the X-Session-Id header: names the conversation, like the body's `session_id`
-SessionHeader = Annotated[str | None, Header(min_length=1, max_length=256)]
+SessionHeader = Annotated[str | None, Header(**SESSION_ID)]
 
 
 # ---- the backend: model, tokenizer, engine, worker --------------------------------------------
@@ -257,6 +258,15 @@ class Turn:
         from leyline_jax.directives import apply_to_list
 
         return apply_to_list(self.prompt, self.directives)
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What a turn's event stream gave its handler (`deltas`)."""
+
+    output: list[int] = dataclasses.field(default_factory=list)  # the generated token ids
+    stats: object = None  # TurnStats, once the turn ended
+    gone: bool = False  # the client went away first
 
 
 def server_extra(app) -> dict:
@@ -477,6 +487,33 @@ def build_app(backend: Backend):
             if not job.done:
                 worker.cancel(job)
 
+    async def deltas(job: Job, request: Request, text: OutputText, field: str, out: Outcome):
+        """The text a turn's output may send so far, delta by delta, as its tokens arrive
+        (`out` collects the tokens and the turn's stats). A stop string ends the turn here;
+        an engine error raises the APIError for `field`; a client gone sets `out.gone`."""
+        async for ev in events(job, request):
+            if ev[0] == "tokens":
+                out.output += ev[1]
+                delta = text.update(out.output)
+                if text.stopped:
+                    worker.cancel(job)
+                if delta:
+                    yield delta
+            elif ev[0] == "done":
+                out.stats = ev[1]
+            elif ev[0] == "gone":
+                out.gone = True
+                return
+            elif not (text.stopped and isinstance(ev[1], TurnCancelled)):
+                raise engine_error(ev[1], field)
+        if out.stats is None:  # cut by a stop string: the engine has ended the turn
+            out.stats = job.request.stats
+
+    def sse_error(e: APIError) -> list[dict]:
+        """A stream's last events after an error: the error object, then [DONE]."""
+        body = error_body(e.message, param=e.param, type_=e.type, code=e.code)
+        return [{"data": json.dumps(body)}, {"data": "[DONE]"}]
+
     def render_chat(req: ChatCompletionRequest, key: str | None) -> Turn:
         """The request's history as the engine gets it: server-side context editing first
         (`context_management`), then the rendered history and the explicit directives
@@ -572,7 +609,7 @@ def build_app(backend: Backend):
         }
 
     @app.delete("/v1/sessions/{session_id}")
-    async def close_session(session_id: str = PathParam(min_length=1, max_length=256)):
+    async def close_session(session_id: str = PathParam(**SESSION_ID)):
         err = await engine_call(lambda loop, fut: worker.close_session(session_id, loop, fut))
         if isinstance(err, KeyError):
             raise APIError(
@@ -641,22 +678,12 @@ def build_app(backend: Backend):
             return "length"
 
         if not req.stream:
-            output: list[int] = []
-            stats = None
-            async for ev in events(job, request):
-                if ev[0] == "tokens":
-                    output += ev[1]
-                    text.update(output)
-                    if text.stopped:
-                        worker.cancel(job)
-                elif ev[0] == "done":
-                    stats = ev[1]
-                elif ev[0] == "gone":
-                    raise APIError(499, "the client went away", None, code="cancelled")
-                elif ev[0] == "error" and not (text.stopped and isinstance(ev[1], TurnCancelled)):
-                    raise engine_error(ev[1], "messages")
-            if stats is None:  # cut by a stop string: the engine has ended the turn
-                stats = job.request.stats
+            out = Outcome()
+            async for _ in deltas(job, request, text, "messages", out):
+                pass
+            if out.gone:
+                raise APIError(499, "the client went away", None, code="cancelled")
+            output, stats = out.output, out.stats
             text.update(output, final=True)
             content, calls = parse_tool_calls(text.text) if use_tools else (text.text, [])
             remember_reply(key, text, output, calls)
@@ -698,39 +725,18 @@ def build_app(backend: Backend):
             return {"data": json.dumps(c, ensure_ascii=False)}
 
         async def stream():
-            output: list[int] = []
+            out = Outcome()
             yield chunk({"role": "assistant", "content": ""})
             try:
-                async for ev in events(job, request):
-                    if ev[0] == "tokens":
-                        output.extend(ev[1])
-                        delta = text.update(output)
-                        if text.stopped:
-                            worker.cancel(job)
-                        if delta:
-                            yield chunk({"content": delta})
-                    elif ev[0] == "gone":
-                        return
-                    elif ev[0] == "error" and not (
-                        text.stopped and isinstance(ev[1], TurnCancelled)
-                    ):
-                        e = engine_error(ev[1], "messages")
-                        yield {
-                            "data": json.dumps(
-                                error_body(e.message, param=e.param, type_=e.type, code=e.code)
-                            )
-                        }
-                        yield {"data": "[DONE]"}
-                        return
+                async for delta in deltas(job, request, text, "messages", out):
+                    yield chunk({"content": delta})
             except APIError as e:
-                yield {
-                    "data": json.dumps(
-                        error_body(e.message, param=e.param, type_=e.type, code=e.code)
-                    )
-                }
-                yield {"data": "[DONE]"}
+                for ev in sse_error(e):
+                    yield ev
                 return
-            stats = job.request.stats
+            if out.gone:
+                return
+            output, stats = out.output, out.stats
             delta = text.update(output, final=True)
             if delta:
                 yield chunk({"content": delta})
@@ -809,22 +815,17 @@ def build_app(backend: Backend):
             return {"index": 0, "text": t, "logprobs": None, "finish_reason": finish}
 
         if not req.stream:
-            output: list[int] = []
-            async for ev in events(job, request):
-                if ev[0] == "tokens":
-                    output += ev[1]
-                    text.update(output)
-                    if text.stopped:
-                        worker.cancel(job)
-                elif ev[0] == "gone":
-                    raise APIError(499, "the client went away", None, code="cancelled")
-                elif ev[0] == "error" and not (text.stopped and isinstance(ev[1], TurnCancelled)):
-                    raise engine_error(ev[1], "prompt")
+            out = Outcome()
+            async for _ in deltas(job, request, text, "prompt", out):
+                pass
+            if out.gone:
+                raise APIError(499, "the client went away", None, code="cancelled")
+            output = out.output
             text.update(output, final=True)
             return JSONResponse(
                 body(
                     [choice(text.text, finish_reason(output))],
-                    _usage(job.request.stats, len(output)),
+                    _usage(out.stats, len(output)),
                     leyline_extra(req, key, prompt, output),
                 ),
                 headers=session_headers(key),
@@ -833,31 +834,18 @@ def build_app(backend: Backend):
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         async def stream():
-            output: list[int] = []
+            out = Outcome()
             try:
-                async for ev in events(job, request):
-                    if ev[0] == "tokens":
-                        output.extend(ev[1])
-                        delta = text.update(output)
-                        if text.stopped:
-                            worker.cancel(job)
-                        if delta:
-                            yield {"data": json.dumps(body([choice(delta)]))}
-                    elif ev[0] == "gone":
-                        return
-                    elif ev[0] == "error" and not (
-                        text.stopped and isinstance(ev[1], TurnCancelled)
-                    ):
-                        raise engine_error(ev[1], "prompt")
+                async for delta in deltas(job, request, text, "prompt", out):
+                    yield {"data": json.dumps(body([choice(delta)]))}
             except APIError as e:
-                yield {
-                    "data": json.dumps(
-                        error_body(e.message, param=e.param, type_=e.type, code=e.code)
-                    )
-                }
-                yield {"data": "[DONE]"}
+                for ev in sse_error(e):
+                    yield ev
                 return
-            usage = _usage(job.request.stats, len(output))
+            if out.gone:
+                return
+            output = out.output
+            usage = _usage(out.stats, len(output))
             extra = leyline_extra(req, key, prompt, output)
             delta = text.update(output, final=True)
             fin = finish_reason(output)

@@ -23,6 +23,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = [
+    "SESSION_ID",
     "ChatCompletionRequest",
     "ClearToolUsesEdit",
     "CompletionRequest",
@@ -36,6 +37,9 @@ __all__ = [
 ]
 
 MAX_STOP = 4  # as OpenAI
+# a session id: 1 to 256 visible ASCII characters (the server echoes it in the X-Session-Id
+# response header, which carries nothing else)
+SESSION_ID = dict(min_length=1, max_length=256, pattern=r"^[!-~]+$")
 
 
 class _Open(BaseModel):
@@ -232,7 +236,7 @@ class _Sampling(_Open):
     stream_options: StreamOptions | None = None
     logprobs: bool | int | None = None
     ignore_eos: bool = False
-    session_id: str | None = Field(None, min_length=1, max_length=256)
+    session_id: str | None = Field(None, **SESSION_ID)
     leyline: LeylineOptions | None = None
 
     @field_validator("stop")
@@ -303,18 +307,11 @@ class CompletionRequest(_Sampling):
             raise ValueError("token ids must be >= 0")
         return v
 
-    @field_validator("echo")
+    @field_validator("echo", "suffix")
     @classmethod
-    def _no_echo(cls, v):
+    def _unsupported(cls, v, info):
         if v:
-            raise ValueError("echo is not supported")
-        return v
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, v):
-        if v:
-            raise ValueError("suffix is not supported")
+            raise ValueError(f"{info.field_name} is not supported")
         return v
 
 

@@ -280,6 +280,7 @@ def test_completions_text_and_token_ids(client):
         ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]},
          "tools.0.function.name"),
         ({"stream": "maybe"}, "stream"),
+        ({"session_id": "snow\u2603man"}, "session_id"),  # it would be a response header
     ],
 )  # fmt: skip
 def test_bad_chat_bodies_name_the_field(server, change, param):

@@ -23,7 +23,6 @@ from serve.http import Backend, ServerThread  # noqa: E402
 
 EXAMPLES = 170  # per operation and generation mode (those with few distinct inputs run fewer)
 MINIMUM = 1000
-COUNTS: collections.Counter = collections.Counter()
 
 
 @pytest.fixture(scope="module")
@@ -46,12 +45,12 @@ def operations(server):
     return [r.ok() for r in schema.get_all_operations()]
 
 
-def check(case, server, gen) -> None:
+def check(case, server, gen, counts: collections.Counter) -> None:
     if gen is schemathesis.GenerationMode.POSITIVE and isinstance(case.body, dict):
         case.body["model"] = "tiny"  # the one model served: let valid bodies reach the engine
     response = case.call(base_url=server.url, timeout=120)
     status = response.status_code
-    COUNTS[case.operation.label, f"{status // 100}xx"] += 1
+    counts[case.operation.label, f"{status // 100}xx"] += 1
     assert status < 500, (status, case.as_curl_command(), response.text[:2000])
     if 400 <= status < 500:
         err = response.json()["error"]
@@ -60,40 +59,40 @@ def check(case, server, gen) -> None:
         assert err["type"] and err["message"]
 
 
-@pytest.mark.parametrize("mode", ["positive", "negative"])
-def test_no_5xx_and_every_4xx_names_its_field(fuzz_server, mode):
+def fuzz(op, gen, server, counts) -> None:
+    """`EXAMPLES` requests of `op` in generation mode `gen` (derandomized)."""
+
+    @given(case=op.as_strategy(generation_mode=gen))
+    @settings(
+        max_examples=EXAMPLES,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    def run(case):
+        check(case, server, gen, counts)
+
+    try:
+        run()
+    except Unsatisfiable:  # nothing to break: an operation without parameters or body
+        assert (
+            gen is schemathesis.GenerationMode.NEGATIVE
+            and not op.body
+            and not any(True for _ in op.iter_parameters())
+        ), op.label
+
+
+def test_no_5xx_and_every_4xx_names_its_field(fuzz_server):
     """Each operation's strategy (schemathesis' generation from the schema, driven by
-    hypothesis here: its pytest plugin does not run on this pytest), derandomized."""
-    gen = schemathesis.GenerationMode(mode)
-    for op in operations(fuzz_server):
-
-        @given(case=op.as_strategy(generation_mode=gen))
-        @settings(
-            max_examples=EXAMPLES,
-            deadline=None,
-            derandomize=True,
-            database=None,
-            suppress_health_check=list(HealthCheck),
-        )
-        def run(case):
-            check(case, fuzz_server, gen)
-
-        try:
-            run()
-        except Unsatisfiable:  # nothing to break: an operation without parameters or body
-            assert (
-                gen is schemathesis.GenerationMode.NEGATIVE
-                and not op.body
-                and not any(True for _ in op.iter_parameters())
-            ), op.label
-
-
-def test_the_fuzzer_sent_enough_requests():
-    """Runs after the fuzz test (same module, file order): the count it reached."""
-    if not COUNTS:
-        pytest.skip("the fuzz test did not run in this session")
-    print(dict(COUNTS))
-    assert sum(COUNTS.values()) >= MINIMUM, dict(COUNTS)
+    hypothesis here: its pytest plugin does not run on this pytest), fitting the schema and
+    breaking it; then the count reached."""
+    counts: collections.Counter = collections.Counter()
+    for gen in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE):
+        for op in operations(fuzz_server):
+            fuzz(op, gen, fuzz_server, counts)
+    print(dict(counts))
+    assert sum(counts.values()) >= MINIMUM, dict(counts)
     # the generated requests reach the engine, and are refused, on both generating endpoints
     for path in ("/v1/chat/completions", "/v1/completions"):
-        assert COUNTS[f"POST {path}", "2xx"] and COUNTS[f"POST {path}", "4xx"], dict(COUNTS)
+        assert counts[f"POST {path}", "2xx"] and counts[f"POST {path}", "4xx"], dict(counts)
