@@ -52,6 +52,13 @@ LONGEST_FIRST = (
 def pytest_collection_modifyitems(session, config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable
+    import jax
+
+    if jax.default_backend() not in ("gpu", "tpu"):
+        skip = pytest.mark.skip(reason="needs a GPU or TPU (compiled kernels); run on the device")
+        for item in items:
+            if "accelerator" in item.keywords:
+                item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True, scope="module")
