@@ -32,6 +32,7 @@ from leyline_jax.kv_state import (
 from leyline_jax.loader import CheckpointError, CheckpointNotFoundError, load_model
 from leyline_jax.model import CausalLM, MLAModel
 from leyline_jax.paged import decode, fork, free, prefill
+from leyline_jax.sharding import MeshConfig, shard_model
 
 __all__ = [
     "Applied",
@@ -45,6 +46,7 @@ __all__ = [
     "Mode",
     "MLAConfig",
     "MLAModel",
+    "MeshConfig",
     "OutOfPagesError",
     "apply_directive",
     "apply_directives",
@@ -56,5 +58,6 @@ __all__ = [
     "init_state",
     "load_model",
     "prefill",
+    "shard_model",
     "tokens",
 ]

@@ -34,6 +34,7 @@ check first, so an error is raised before anything changes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -85,6 +86,10 @@ class KVPools:
     page_size: int = dataclasses.field(metadata=dict(static=True))
     moved_dtype: jnp.dtype = dataclasses.field(metadata=dict(static=True))  # what moved's bits mean
     rotated_dtype: jnp.dtype = dataclasses.field(metadata=dict(static=True))
+    # where every layer's arrays live under a device mesh (split by page), None on one device
+    sharding: jax.sharding.Sharding | None = dataclasses.field(
+        default=None, metadata=dict(static=True)
+    )
 
     @property
     def num_pages(self) -> int:
@@ -94,11 +99,19 @@ class KVPools:
     def num_layers(self) -> int:
         return len(self.moved)
 
+    def with_bands(self, moved, rotated) -> KVPools:
+        """The pools holding new per-layer arrays. Every step that changes the pools returns
+        them through here: under a mesh each array is kept at `sharding` (traced inside a
+        jitted step, that pins the step's output to its input's placement, so donated pools
+        are updated in place and the next step sees the same shardings: no recompile)."""
+        if self.sharding is not None:
+            pin = functools.partial(jax.lax.with_sharding_constraint, shardings=self.sharding)
+            moved, rotated = tuple(map(pin, moved)), tuple(map(pin, rotated))
+        return dataclasses.replace(self, moved=tuple(moved), rotated=tuple(rotated))
+
     def map(self, fn) -> KVPools:
         """The pools with `fn(layer_pool)` applied to every layer's arrays of both bands."""
-        return dataclasses.replace(
-            self, moved=tuple(fn(a) for a in self.moved), rotated=tuple(fn(a) for a in self.rotated)
-        )
+        return self.with_bands([fn(a) for a in self.moved], [fn(a) for a in self.rotated])
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:
@@ -163,6 +176,7 @@ def init_state(
     kv_dtype=jnp.bfloat16,
     k_pe_dtype=None,
     max_seq_len: int | None = None,
+    mesh=None,
 ) -> PagedKVState:
     """An empty pool of `num_pages` pages of `page_size` slots for up to `max_seqs` sequences.
 
@@ -176,8 +190,9 @@ def init_state(
     token's 512 bf16 + 64 fp32 values against 576 bf16). `max_seq_len` bounds one sequence
     (default: the whole pool, capped by the model's max_position_embeddings; an explicit
     value may go past it: positions the model was not trained for are the caller's choice, as
-    with a serving stack's max-model-length override). Raises ValueError naming a bad
-    argument.
+    with a serving stack's max-model-length override). `mesh`: a
+    `leyline_jax.sharding.MeshConfig` to split every layer's pools by page over its `data`
+    axis (None: the default device). Raises ValueError naming a bad argument.
     """
     for name, v in (("num_pages", num_pages), ("page_size", page_size), ("max_seqs", max_seqs)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
@@ -200,18 +215,24 @@ def init_state(
         if not jnp.issubdtype(dt, jnp.floating):
             raise ValueError(f"{name} must be a floating dtype, got {dt}")
     layers, bands = config.num_hidden_layers, config.kv_bands()
+    sharding = None if mesh is None else mesh.pool_sharding((num_pages, page_size))
+
+    def zeros(shape, dtype):  # made where it lives: a big pool never passes through one device
+        return jnp.zeros(shape, dtype, device=sharding)
+
     pools = KVPools(
         moved=tuple(
-            jnp.zeros((num_pages, page_size, *bands.moved), storage_dtype(kv_dtype))
+            zeros((num_pages, page_size, *bands.moved), storage_dtype(kv_dtype))
             for _ in range(layers)
         ),
         rotated=tuple(
-            jnp.zeros((num_pages, page_size, *bands.rotated), storage_dtype(k_pe_dtype))
+            zeros((num_pages, page_size, *bands.rotated), storage_dtype(k_pe_dtype))
             for _ in range(layers)
         ),
         page_size=page_size,
         moved_dtype=kv_dtype,
         rotated_dtype=k_pe_dtype,
+        sharding=sharding,
     )
     empty = np.zeros(0, np.int32)
     return PagedKVState(
@@ -434,9 +455,7 @@ def write_pages(
     def put(band, rows):
         return tuple(a.at[pages].set(rows[i], mode="drop") for i, a in enumerate(band))
 
-    return dataclasses.replace(
-        pools, moved=put(pools.moved, moved), rotated=put(pools.rotated, rotated)
-    )
+    return pools.with_bands(put(pools.moved, moved), put(pools.rotated, rotated))
 
 
 def write_kv(
@@ -454,10 +473,8 @@ def write_kv(
         new = band[layer].at[page, off].set(to_storage(rows, dtype), mode="drop")
         return band[:layer] + (new,) + band[layer + 1 :]
 
-    return dataclasses.replace(
-        pools,
-        moved=put(pools.moved, moved, pools.moved_dtype),
-        rotated=put(pools.rotated, rotated, pools.rotated_dtype),
+    return pools.with_bands(
+        put(pools.moved, moved, pools.moved_dtype), put(pools.rotated, rotated, pools.rotated_dtype)
     )
 
 

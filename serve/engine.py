@@ -57,6 +57,7 @@ from leyline_jax import kv_state as kv
 from leyline_jax import paged
 from leyline_jax.config import check_ids, check_tokens
 from leyline_jax.directives import Mode
+from leyline_jax.sharding import MeshConfig, shard_model
 from serve import budget, lineage
 from serve.budget import KVPlan, TurnPlan
 from serve.edits import compose
@@ -170,10 +171,15 @@ class Engine:
         k_pe_dtype=None,
         prefill_chunk: int = 256,
         radix: bool = True,
+        mesh: MeshConfig | None = None,
     ):
         if not 1 <= prefill_chunk <= paged.PREFILL_CHUNK:
             raise ValueError(f"prefill_chunk must be in [1, {paged.PREFILL_CHUNK}]")
-        self.model = model
+        if mesh is not None and not isinstance(mesh, MeshConfig):
+            raise TypeError(f"mesh must be a leyline_jax.sharding.MeshConfig, got {mesh!r}")
+        self.mesh = mesh
+        self.model = model if mesh is None else shard_model(model, mesh)
+        model = self.model
         self.graph = nnx.split(model)
         self.state = ll.init_state(
             model.config,
@@ -183,6 +189,7 @@ class Engine:
             max_seq_len=max_seq_len,
             kv_dtype=kv_dtype,
             k_pe_dtype=k_pe_dtype,
+            mesh=mesh,
         )
         self.page_size = page_size
         self.prefill_chunk = prefill_chunk

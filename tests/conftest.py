@@ -7,6 +7,7 @@ its own files. `np_ckpt(name)`: written by our numpy-only writer (the embedded d
 from __future__ import annotations
 
 import functools
+import os
 
 import numpy as np
 import pytest
@@ -47,6 +48,11 @@ LONGEST_FIRST = (
     "test_smollm2.py",
     "test_parity.py",
 )
+
+
+# tests/multidevice needs 8 simulated devices from jax's start: tests/test_multidevice.py runs
+# it in its own process (which sets LEYLINE_MULTIDEVICE); a plain run leaves it out
+collect_ignore = [] if os.environ.get("LEYLINE_MULTIDEVICE") else ["multidevice"]
 
 
 def pytest_collection_modifyitems(session, config, items):
