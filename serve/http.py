@@ -140,6 +140,16 @@ class Backend:
         return cls(worker, tokenizer, model_name, engine.state.max_seq_len, vocab, **kw)
 
 
+def parse_mesh(text: str):
+    """ "DATAxMODEL" -> a `leyline_jax.MeshConfig` over the first DATA*MODEL devices."""
+    import leyline_jax as ll
+
+    data, sep, model = text.lower().partition("x")
+    if not sep or not data.isdigit() or not model.isdigit():
+        raise ValueError(f"mesh {text!r} must be DATAxMODEL, e.g. 2x4")
+    return ll.MeshConfig.create(data=int(data), model=int(model))
+
+
 def load_backend(
     model: str = "tiny",
     *,
@@ -152,10 +162,12 @@ def load_backend(
     prefill_chunk: int = 256,
     max_queue: int = 64,
     warmup: bool = False,
+    mesh: str | None = None,
     **kw,
 ) -> Backend:
     """Load a model ("tiny": the embedded default, written under `root`; "smollm2"; a
-    checkpoint directory or .gguf file), its tokenizer and an engine (not started)."""
+    checkpoint directory or .gguf file), its tokenizer and an engine (not started).
+    `mesh`: "DATAxMODEL" (e.g. "2x4") to serve over that device mesh (None: one device)."""
     import jax.numpy as jnp
 
     import leyline_jax as ll
@@ -183,6 +195,7 @@ def load_backend(
         max_seqs=max_seqs,
         kv_dtype=dtypes[kv_dtype],
         prefill_chunk=prefill_chunk,
+        mesh=None if mesh is None else parse_mesh(mesh),
     )
     if warmup:
         engine.warmup()
@@ -944,6 +957,11 @@ def main(argv=None) -> None:
     ap.add_argument("--request-timeout", type=float, default=600.0)
     ap.add_argument("--warmup", action="store_true", help="compile every step shape first")
     ap.add_argument(
+        "--mesh",
+        default=None,
+        help="serve over a DATAxMODEL device mesh, e.g. 2x4 (default: one device)",
+    )
+    ap.add_argument(
         "--snapshot-dir",
         default=None,
         help="durable sessions: restore them from DIR at start, save them there on shutdown "
@@ -971,6 +989,7 @@ def main(argv=None) -> None:
         prefill_chunk=args.prefill_chunk,
         max_queue=args.max_queue,
         warmup=args.warmup,
+        mesh=args.mesh,
         default_max_tokens=args.max_tokens,
         request_timeout_s=args.request_timeout,
         snapshot_dir=args.snapshot_dir,

@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from serve.http import parse_mesh
+
 HERE = Path(__file__).parent
 
 
@@ -22,3 +26,14 @@ def test_mesh_suite_passes_on_eight_simulated_devices():
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
     assert " passed" in run.stdout and "failed" not in run.stdout
+
+
+def test_the_server_mesh_flag_is_checked():
+    """`python -m serve.http --mesh DATAxMODEL`: a malformed or oversized mesh is a clear error
+    (this process has one device)."""
+    assert parse_mesh("1x1").shape == {"data": 1, "model": 1}
+    for bad in ("2", "x4", "2x", "axb", "2x4x1"):
+        with pytest.raises(ValueError, match="DATAxMODEL"):
+            parse_mesh(bad)
+    with pytest.raises(ValueError, match="needs 8 devices"):
+        parse_mesh("2x4")
