@@ -1,5 +1,6 @@
 """Checkpoint tooling: orbax save/restore of converted params, atomic snapshot files (a
-serving engine's sessions go through them), tiny test checkpoints.
+serving engine's sessions go through them), tiny test checkpoints (`checkpoints.tiny`) and
+random checkpoints at real model shapes, written streaming (`checkpoints.random_hf`).
 
 Imports `leyline_jax`; `leyline_jax` never imports this package.
 """

@@ -252,25 +252,27 @@ def hf_tensor_shapes(config: GQAConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def convert_hf_params(
+def lazy_hf_params(
     config: GQAConfig, tensors: Mapping[str, Any], dtype=jnp.float32
 ) -> dict[str, Any]:
-    """Pure: flat dict of `LlamaForCausalLM` tensors (names and shapes already checked by the
-    loader) -> nested params of `CausalLM`: linear weights transposed to `[in, out]`, cast to
-    `dtype`. Hugging Face's q/k rows are already in the halves layout (`rotate_half`)."""
+    """Lazily: flat mapping of `LlamaForCausalLM` tensors (names and shapes already checked by
+    the loader) -> nested params of `CausalLM`, each leaf a zero-argument callable that reads
+    its one tensor and builds the param as numpy (`leyline_jax.loader` builds them all at once
+    or streams them): linear weights transposed to `[in, out]`, cast to `dtype`. Hugging Face's
+    q/k rows are already in the halves layout (`rotate_half`)."""
 
-    def get(name):
-        return np.asarray(tensors[name]).astype(dtype)
+    def plain(name):  # a fresh array (a lazy tensor's read is one already)
+        return lambda: np.array(tensors[name], dtype=dtype)
 
     def linear(name):
-        return {"kernel": get(name).T}
+        return {"kernel": lambda: np.array(tensors[name], dtype=dtype).T}
 
     layers = {}
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}"
         layers[i] = {
-            "input_norm": {"weight": get(f"{p}.input_layernorm.weight")},
-            "post_attention_norm": {"weight": get(f"{p}.post_attention_layernorm.weight")},
+            "input_norm": {"weight": plain(f"{p}.input_layernorm.weight")},
+            "post_attention_norm": {"weight": plain(f"{p}.post_attention_layernorm.weight")},
             "attn": {
                 name: linear(f"{p}.self_attn.{name}.weight")
                 for name in ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -281,9 +283,9 @@ def convert_hf_params(
             },
         }
     params: dict[str, Any] = {
-        "embed": get("model.embed_tokens.weight"),
+        "embed": plain("model.embed_tokens.weight"),
         "layers": layers,
-        "final_norm": {"weight": get("model.norm.weight")},
+        "final_norm": {"weight": plain("model.norm.weight")},
     }
     if not config.tie_word_embeddings:
         params["lm_head"] = linear("lm_head.weight")

@@ -1,23 +1,31 @@
-"""Hugging Face checkpoint (or GGUF file) -> `CausalLM`.
+"""Hugging Face checkpoint (or GGUF file) -> `CausalLM`, streamed one param at a time.
 
-Per family, one table names every tensor a checkpoint holds and its shape, and one pure
-converter maps a flat dict of those tensors to our params; `hf_tensor_shapes(config)` and
+Per family, one table names every tensor a checkpoint holds and its shape, and one converter
+maps a flat mapping of those tensors to our params; `hf_tensor_shapes(config)` and
 `convert_hf_params` dispatch to them by the config's type (MLA's live here, GQA's in
 `leyline_jax.gqa`; `_FAMILIES` is the one registry: adding a family is a module and a line
-there). The converter checks names and shapes against the table first. The loader, the parity
-tests and the tiny checkpoint writer all go through them.
+there). A converter returns lazy leaves: each is a zero-argument callable that reads only the
+tensors its param needs and builds it. `convert_hf_params` builds them all (pure, eager: the
+parity tests and the tiny checkpoint writer use it); `load_model` builds, places and drops them
+one at a time from safetensors files read on demand, so the host never holds the checkpoint,
+only what is placed plus the param being built. Names and shapes are checked against the
+table before anything is read.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
+import math
 import os
 import re
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, BinaryIO
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from flax import nnx
 
@@ -33,8 +41,25 @@ from leyline_jax.config import (
 )
 from leyline_jax.model import CausalLM
 
-# Above this many bytes of tensors the loader shows a progress bar (unless told otherwise).
+# Above this many bytes (of params placed, or of tensors read) the loader shows a progress bar
+# (unless told otherwise).
 PROGRESS_BYTES = 256 << 20
+
+# safetensors dtype names -> numpy dtypes (bfloat16 and float8 from ml_dtypes, as jax uses)
+_SAFETENSORS_DTYPES = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
+    "F8_E5M2": ml_dtypes.float8_e5m2,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+}
 
 
 class CheckpointError(ValueError):
@@ -120,24 +145,85 @@ def _check_names_and_shapes(config, tensors: Mapping[str, Any]) -> None:
             raise CheckpointError(f"tensor {name} has shape {got}, expected {shape}")
 
 
-def _mla_convert(config: MLAConfig, tensors: Mapping[str, Any], dtype) -> dict[str, Any]:
-    """MLA: transposes linear weights to `[in, out]`, splits `kv_b_proj` into head-major `k_up`
-    `[N, Dn, R]` and `v_up` `[N, R, Dv]`, stacks experts, permutes interleaved rope rows to
-    the halves layout, casts to `dtype` (the router and its bias stay float32)."""
+_TILE = 256  # rows and columns of one block of a transposing copy
+
+
+def _contiguous(a: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """`a` as a C-contiguous array (copied into `out` if given). A transposed view (the last
+    two axes swapped, as `.T` makes) is copied block by block, so that reads and writes both
+    stay in cache (numpy's own copy strides across whole rows on one side: 4-8x slower on an
+    embedding-sized matrix), as unsigned integers of the same width (bit-exact; faster than
+    numpy's copy of a custom dtype such as bfloat16)."""
+    if out is None:
+        if a.flags.c_contiguous:
+            return a
+        out = np.empty(a.shape, a.dtype)
+    if a.ndim < 2 or not a.swapaxes(-1, -2).flags.c_contiguous:
+        out[...] = a
+        return out
+    bits = f"u{a.dtype.itemsize}"
+    src, dst = a.view(bits), out.view(bits)
+    rows, cols = a.shape[-2:]
+    for i in range(0, rows, _TILE):
+        for j in range(0, cols, _TILE):
+            dst[..., i : i + _TILE, j : j + _TILE] = src[..., i : i + _TILE, j : j + _TILE]
+    return out
+
+
+def _mla_lazy_hf_params(config: MLAConfig, tensors: Mapping[str, Any], dtype) -> dict[str, Any]:
+    """MLA, lazily: the nested params of `CausalLM`, each leaf a zero-argument callable that
+    reads the tensors it needs from `tensors` (names and shapes already checked) and builds the
+    param as numpy. Transposes linear weights to `[in, out]`, splits `kv_b_proj` into head-major
+    `k_up` `[N, Dn, R]` and `v_up` `[N, R, Dv]`, stacks experts, permutes interleaved rope rows
+    to the halves layout, casts to `dtype` (the router and its bias stay float32)."""
     c = config
-    n, dr = c.num_attention_heads, c.qk_rope_head_dim
+    n, dn, dv, r = c.num_attention_heads, c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank
+    dr = c.qk_rope_head_dim
     perm = rope.deinterleave_perm(dr) if c.rope_interleave else np.arange(dr)
 
-    def get(name, out_dtype=dtype):
-        return np.asarray(tensors[name]).astype(out_dtype)
+    def get(name, out_dtype=dtype):  # a fresh array (a lazy tensor's read is one already)
+        return np.array(tensors[name], dtype=out_dtype)
 
-    def linear(name):  # [out, in] -> [in, out]
-        return get(name).T
+    # Each helper below returns a leaf: it reads nothing until called.
+    def plain(name, out_dtype=dtype):
+        return lambda: get(name, out_dtype)
 
-    def q_rows(w):  # [N*Dqk, in]: permute each head's rope rows
-        w = w.reshape(n, c.qk_head_dim, -1)
-        w = np.concatenate([w[:, : c.qk_nope_head_dim], w[:, c.qk_nope_head_dim :][:, perm]], 1)
-        return w.reshape(n * c.qk_head_dim, -1)
+    def linear(name, out_dtype=dtype):  # [out, in] -> [in, out]
+        return lambda: get(name, out_dtype).T
+
+    def q_proj(name):  # [N*Dqk, in]: permute each head's rope rows, then [in, N*Dqk]
+        def build():
+            w = get(name).reshape(n, c.qk_head_dim, -1)
+            w = np.concatenate([w[:, :dn], w[:, dn:][:, perm]], 1)
+            return w.reshape(n * c.qk_head_dim, -1).T
+
+        return build
+
+    def kv_a_proj(name):  # [R + Dr, H]: permute the rope rows, then [H, R + Dr]
+        def build():
+            w = get(name)
+            return np.concatenate([w[:r], w[r:][perm]], 0).T
+
+        return build
+
+    def kv_b(name):  # [N * (Dn + Dv), R] -> [N, Dn + Dv, R]
+        return get(name).reshape(n, dn + dv, r)
+
+    def k_up(name):
+        return lambda: kv_b(name)[:, :dn]  # [N, Dn, R]
+
+    def v_up(name):
+        return lambda: kv_b(name)[:, dn:].transpose(0, 2, 1)  # [N, R, Dv]
+
+    def experts(names):  # E x [out, in] -> [E, in, out], filled one expert at a time
+        def build():
+            d_out, d_in = np.shape(tensors[names[0]])
+            out = np.empty((len(names), d_in, d_out), np.dtype(dtype))
+            for e, name in enumerate(names):
+                _contiguous(get(name).T, out=out[e])
+            return out
+
+        return build
 
     def mlp(prefix):
         return {
@@ -151,38 +237,33 @@ def _mla_convert(config: MLAConfig, tensors: Mapping[str, Any], dtype) -> dict[s
         p, a = f"model.layers.{i}", f"model.layers.{i}.self_attn"
         attn: dict[str, Any] = {}
         if c.q_lora_rank is None:
-            attn["q_proj"] = {"kernel": q_rows(get(f"{a}.q_proj.weight")).T}
+            attn["q_proj"] = {"kernel": q_proj(f"{a}.q_proj.weight")}
         else:
             attn["q_a_proj"] = {"kernel": linear(f"{a}.q_a_proj.weight")}
-            attn["q_a_norm"] = {"weight": get(f"{a}.q_a_layernorm.weight")}
-            attn["q_b_proj"] = {"kernel": q_rows(get(f"{a}.q_b_proj.weight")).T}
-        kv_a = get(f"{a}.kv_a_proj_with_mqa.weight")
-        kv_a = np.concatenate([kv_a[: c.kv_lora_rank], kv_a[c.kv_lora_rank :][perm]], 0)
-        attn["kv_a_proj"] = {"kernel": kv_a.T}
-        attn["kv_a_norm"] = {"weight": get(f"{a}.kv_a_layernorm.weight")}
-        kv_b = get(f"{a}.kv_b_proj.weight").reshape(  # [N * (Dn + Dv), R] -> [N, Dn + Dv, R]
-            c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank
-        )
-        attn["k_up"] = kv_b[:, : c.qk_nope_head_dim]  # [N, Dn, R]
-        attn["v_up"] = kv_b[:, c.qk_nope_head_dim :].transpose(0, 2, 1)  # [N, R, Dv]
+            attn["q_a_norm"] = {"weight": plain(f"{a}.q_a_layernorm.weight")}
+            attn["q_b_proj"] = {"kernel": q_proj(f"{a}.q_b_proj.weight")}
+        attn["kv_a_proj"] = {"kernel": kv_a_proj(f"{a}.kv_a_proj_with_mqa.weight")}
+        attn["kv_a_norm"] = {"weight": plain(f"{a}.kv_a_layernorm.weight")}
+        attn["k_up"] = k_up(f"{a}.kv_b_proj.weight")
+        attn["v_up"] = v_up(f"{a}.kv_b_proj.weight")
         attn["o_proj"] = {"kernel": linear(f"{a}.o_proj.weight")}
         layer: dict[str, Any] = {
-            "input_norm": {"weight": get(f"{p}.input_layernorm.weight")},
-            "post_attention_norm": {"weight": get(f"{p}.post_attention_layernorm.weight")},
+            "input_norm": {"weight": plain(f"{p}.input_layernorm.weight")},
+            "post_attention_norm": {"weight": plain(f"{p}.post_attention_layernorm.weight")},
             "attn": attn,
         }
         if c.is_sparse(i):
             ex = [f"{p}.mlp.experts.{e}" for e in range(c.n_routed_experts)]
             moe: dict[str, Any] = {
-                "router": {"weight": get(f"{p}.mlp.gate.weight", np.float32).T},
+                "router": {"weight": linear(f"{p}.mlp.gate.weight", np.float32)},
                 "experts": {
-                    "gate": np.stack([linear(f"{e}.gate_proj.weight") for e in ex]),
-                    "up": np.stack([linear(f"{e}.up_proj.weight") for e in ex]),
-                    "down": np.stack([linear(f"{e}.down_proj.weight") for e in ex]),
+                    "gate": experts([f"{e}.gate_proj.weight" for e in ex]),
+                    "up": experts([f"{e}.up_proj.weight" for e in ex]),
+                    "down": experts([f"{e}.down_proj.weight" for e in ex]),
                 },
             }
             if c.router == ROUTER_SIGMOID_GROUPED:
-                moe["router"]["bias"] = get(f"{p}.mlp.gate.e_score_correction_bias", np.float32)
+                moe["router"]["bias"] = plain(f"{p}.mlp.gate.e_score_correction_bias", np.float32)
             if c.n_shared_experts:
                 moe["shared"] = mlp(f"{p}.mlp.shared_experts")
             layer["mlp"] = moe
@@ -191,19 +272,19 @@ def _mla_convert(config: MLAConfig, tensors: Mapping[str, Any], dtype) -> dict[s
         layers[i] = layer
 
     params: dict[str, Any] = {
-        "embed": get("model.embed_tokens.weight"),
+        "embed": plain("model.embed_tokens.weight"),
         "layers": layers,
-        "final_norm": {"weight": get("model.norm.weight")},
+        "final_norm": {"weight": plain("model.norm.weight")},
     }
     if not c.tie_word_embeddings:
         params["lm_head"] = {"kernel": linear("lm_head.weight")}
     return params
 
 
-# model_type -> (config class, tensor table, converter): the one place a family is registered
+# model_type -> (config class, tensor table, lazy converter): the one place a family is registered
 _FAMILIES = {
-    **{t: (MLAConfig, _mla_tensor_shapes, _mla_convert) for t in MLA_MODEL_TYPES},
-    **{t: (gqa.GQAConfig, gqa.hf_tensor_shapes, gqa.convert_hf_params) for t in gqa.MODEL_TYPES},
+    **{t: (MLAConfig, _mla_tensor_shapes, _mla_lazy_hf_params) for t in MLA_MODEL_TYPES},
+    **{t: (gqa.GQAConfig, gqa.hf_tensor_shapes, gqa.lazy_hf_params) for t in gqa.MODEL_TYPES},
 }
 
 
@@ -231,44 +312,106 @@ def hf_tensor_shapes(config) -> dict[str, tuple[int, ...]]:
     return _family(config.model_type)[1](config)
 
 
-def convert_hf_params(config, tensors: Mapping[str, Any], dtype=jnp.float32) -> dict[str, Any]:
-    """Pure: flat dict of HF tensors (numpy-convertible) -> nested params of `CausalLM`, by the
-    family's converter. Raises `CheckpointError` naming the tensor for any missing, unexpected
-    or mis-shaped tensor, before converting anything."""
+def _lazy_hf_params(config, tensors: Mapping[str, Any], dtype) -> dict[str, Any]:
     _check_names_and_shapes(config, tensors)
     return _family(config.model_type)[2](config, tensors, dtype)
 
 
-def model_from_params(config, params: Mapping[str, Any], dtype=jnp.float32) -> CausalLM:
-    """Build a `CausalLM` around a nested params dict (as `convert_hf_params` returns)."""
+def _build_all(tree: Mapping[Any, Any]) -> dict[Any, Any]:
+    return {k: _build_all(v) if isinstance(v, Mapping) else v() for k, v in tree.items()}
+
+
+def convert_hf_params(config, tensors: Mapping[str, Any], dtype=jnp.float32) -> dict[str, Any]:
+    """Pure: flat dict of HF tensors (numpy-convertible) -> nested params of `CausalLM`, by the
+    family's converter, every param built now (fresh arrays: none aliases an input). Raises
+    `CheckpointError` naming the tensor for any missing, unexpected or mis-shaped tensor,
+    before converting anything."""
+    return _build_all(_lazy_hf_params(config, tensors, dtype))
+
+
+def _check_param_shape(path, got, want) -> None:
+    if tuple(got) != tuple(want):
+        raise CheckpointError(
+            f"param {jax.tree_util.keystr(path)} has shape {tuple(got)}, expected {tuple(want)}"
+        )
+
+
+def _place(leaf, want: jax.ShapeDtypeStruct, path, mesh) -> jax.Array:
+    """One param on its device(s), built first if `leaf` is lazy. `jax.device_put` copies (on
+    CPU too; `jnp.asarray` would hold a second host copy); blocking until the copy is done lets
+    the host array go on return rather than a queue of them pile up behind transfers."""
+    value = leaf() if callable(leaf) else leaf
+    if isinstance(value, jax.Array):  # already on a device (orbax restores): cast it there
+        value = jnp.asarray(value, want.dtype)
+    else:  # contiguous here, so the strided original is freed before jax copies this one
+        value = _contiguous(np.asarray(value, want.dtype))
+    _check_param_shape(path, np.shape(value), want.shape)
+    if mesh is None:
+        sharding = None  # the default device, uncommitted (as `jnp.asarray` places)
+    else:
+        sharding = mesh.param_sharding(tuple(str(k.key) for k in path), tuple(value.shape))
+    return jax.device_put(value, sharding).block_until_ready()
+
+
+def _build_model(config, params: Mapping[str, Any], dtype, *, mesh, progress) -> CausalLM:
     abstract = nnx.eval_shape(lambda: CausalLM(config, dtype))
     graphdef, state = nnx.split(abstract)
-    expected = nnx.to_pure_dict(state)
-    flat_expected = dict(jax.tree_util.tree_leaves_with_path(expected))
-    flat_given = dict(jax.tree_util.tree_leaves_with_path(params))
-    if set(flat_expected) != set(flat_given):
-        missing = sorted(map(jax.tree_util.keystr, set(flat_expected) - set(flat_given)))
-        extra = sorted(map(jax.tree_util.keystr, set(flat_given) - set(flat_expected)))
+    expected, treedef = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))
+    given = dict(jax.tree_util.tree_leaves_with_path(params))
+    want_paths = {path for path, _ in expected}
+    if want_paths != set(given):
+        missing = sorted(map(jax.tree_util.keystr, want_paths - set(given)))
+        extra = sorted(map(jax.tree_util.keystr, set(given) - want_paths))
         raise CheckpointError(
             f"params do not match the model: missing {missing[:5]}, unexpected {extra[:5]}"
         )
-    for path, want in flat_expected.items():
-        got = flat_given[path]
-        if tuple(np.shape(got)) != tuple(want.shape):
-            raise CheckpointError(
-                f"param {jax.tree_util.keystr(path)} has shape {tuple(np.shape(got))}, "
-                f"expected {tuple(want.shape)}"
-            )
-    arrays = jax.tree.map(lambda want, got: jnp.asarray(got, want.dtype), expected, params)
-    nnx.replace_by_pure_dict(state, arrays)
+    for path, want in expected:  # given arrays: every shape checked before anything is placed
+        if not callable(given[path]):
+            _check_param_shape(path, np.shape(given[path]), want.shape)
+    total = sum(want.size * want.dtype.itemsize for _, want in expected)
+    placed = []
+    with _progress_bar(total, progress) as advance:
+        for path, want in expected:
+            placed.append(_place(given.pop(path), want, path, mesh))
+            # jax lets go of a host buffer it copied from only when Python's collector runs
+            # (a `gc.callbacks` hook); a young-generation pass frees this param's host copy now
+            gc.collect(0)
+            advance(want.size * want.dtype.itemsize)
+    nnx.replace_by_pure_dict(state, jax.tree_util.tree_unflatten(treedef, placed))
     return nnx.merge(graphdef, state)
 
 
-def read_safetensors(path: str | os.PathLike, *, progress: bool | None = None) -> dict[str, Any]:
-    """All tensors of a checkpoint directory (`model.safetensors` or a sharded index) as numpy."""
-    from safetensors import SafetensorError, safe_open
+def model_from_params(
+    config, params: Mapping[str, Any], dtype=jnp.float32, *, mesh=None
+) -> CausalLM:
+    """Build a `CausalLM` around a nested params dict: arrays (as `convert_hf_params` returns)
+    or zero-argument callables that build one (a family converter's lazy leaves), evaluated,
+    checked and placed one param at a time.
 
-    path = os.fspath(path)
+    `mesh`: None places every param on the default device; otherwise any object with
+    `param_sharding(path, shape) -> jax.sharding.Sharding` (`leyline_jax.sharding.MeshConfig`),
+    asked once per param with its key path in the params dict, every key a string
+    (`("layers", "3", "mlp", "experts", "gate")`, `("embed",)`), and its shape.
+    Raises `CheckpointError` for params that do not match the model's names or shapes (given
+    arrays are all checked before anything is placed; a lazy leaf when it is built).
+    """
+    return _build_model(config, params, dtype, mesh=mesh, progress=False)
+
+
+@contextlib.contextmanager
+def _progress_bar(total: int, progress: bool | None) -> Iterator[Callable[[int], object]]:
+    """`advance(nbytes)` for a bar of `total` bytes, shown above `PROGRESS_BYTES` unless told."""
+    if not (total > PROGRESS_BYTES if progress is None else progress):
+        yield lambda nbytes: None
+        return
+    from tqdm import tqdm
+
+    with tqdm(total=total, unit="B", unit_scale=True, desc="loading tensors") as bar:
+        yield bar.update
+
+
+def _shard_files(path: str) -> dict[str, list[str]]:
+    """{file: the tensor names the index maps to it, or [] for every tensor of the file}."""
     index = os.path.join(path, "model.safetensors.index.json")
     single = os.path.join(path, "model.safetensors")
     if os.path.isfile(index):
@@ -288,7 +431,7 @@ def read_safetensors(path: str | os.PathLike, *, progress: bool | None = None) -
         for name, fname in weight_map.items():
             files.setdefault(os.path.join(path, fname), []).append(name)
     elif os.path.isfile(single):
-        files = {single: []}  # empty: every tensor in the file
+        files = {single: []}
     else:
         raise CheckpointNotFoundError(
             f"no model.safetensors or model.safetensors.index.json in {path}"
@@ -296,45 +439,144 @@ def read_safetensors(path: str | os.PathLike, *, progress: bool | None = None) -
     for fname in files:
         if not os.path.isfile(fname):
             raise CheckpointNotFoundError(f"checkpoint shard {fname} does not exist")
+    return files
 
-    total = sum(os.path.getsize(f) for f in files)
-    show = total > PROGRESS_BYTES if progress is None else progress
-    tensors: dict[str, Any] = {}
-    bar = None
-    if show:
-        from tqdm import tqdm
 
-        bar = tqdm(total=total, unit="B", unit_scale=True, desc="loading tensors")
+def _header(fname: str, f: BinaryIO) -> tuple[int, dict[str, Any]]:
+    """(byte offset of the data, {name: entry}) of the safetensors file `fname`, open as `f`.
+    safetensors' own reader checks the file first (a valid header whose tensors cover the data
+    exactly, so a truncated file fails here); only the header's bytes are read."""
+    from safetensors import SafetensorError, safe_open
+
     try:
-        for fname, names in files.items():
-            with safe_open(fname, framework="numpy") as f:
-                keys = list(f.keys())
-                for name in names:
-                    if name not in keys:
-                        raise CheckpointError(f"index maps {name} to {fname}, which lacks it")
-                for name in names or keys:
-                    tensors[name] = f.get_tensor(name)
-            if bar is not None:
-                bar.update(os.path.getsize(fname))
+        with safe_open(fname, framework="numpy"):
+            pass
     except SafetensorError as e:
         raise CheckpointError(f"cannot read {fname}: {e}") from e
-    finally:
-        if bar is not None:
-            bar.close()
-    return tensors
+    size = int.from_bytes(f.read(8), "little")
+    entries = json.loads(f.read(size))
+    entries.pop("__metadata__", None)
+    return 8 + size, entries
+
+
+class _LazyTensor:
+    """One tensor of a safetensors file: `shape`, `dtype` and `nbytes` without reading it;
+    `np.asarray(t)` reads it (a fresh array each time)."""
+
+    def __init__(self, files: _Safetensors, name: str, fname: str, entry: Mapping[str, Any]):
+        if entry["dtype"] not in _SAFETENSORS_DTYPES:
+            raise CheckpointError(f"tensor {name} in {fname} has unknown dtype {entry['dtype']}")
+        self._files, self.name, self.fname = files, name, fname
+        self.shape = tuple(entry["shape"])
+        self.dtype = np.dtype(_SAFETENSORS_DTYPES[entry["dtype"]])
+        self.offset = entry["data_offsets"][0]  # from the start of the file's data
+        self.nbytes = math.prod(self.shape) * self.dtype.itemsize
+
+    def __array__(self, dtype=None, copy=None):  # every call reads: always a fresh array
+        a = self._files.read(self)
+        return a if dtype is None else a.astype(dtype, copy=False)
+
+
+class _Safetensors(Mapping[str, _LazyTensor]):
+    """The tensors of a checkpoint directory (`model.safetensors` or a sharded index), read
+    only when asked for. Opening opens every file (until `close`) and checks it (missing,
+    corrupt, truncated, an index naming a tensor its shard lacks), reading only the headers;
+    reading a tensor reads exactly its bytes into a fresh array. A file removed or replaced
+    by a rename after opening still reads as it was (its descriptor holds it); one cut short
+    in place fails the read that meets its end. No memory map: the pages of a mapped file that
+    reads touch count as the process's resident memory until it is unmapped, so one mapped
+    shard would hold a whole shard's worth."""
+
+    def __init__(self, path: str):
+        self._tensors: dict[str, _LazyTensor] = {}
+        self._open: dict[str, BinaryIO] = {}  # file name -> the file, unbuffered
+        self._data_start: dict[str, int] = {}
+        try:
+            for fname, names in _shard_files(path).items():
+                f = self._open[fname] = open(fname, "rb", buffering=0)
+                self._data_start[fname], entries = _header(fname, f)
+                for name in names:
+                    if name not in entries:
+                        raise CheckpointError(f"index maps {name} to {fname}, which lacks it")
+                for name in names or entries:
+                    self._tensors[name] = _LazyTensor(self, name, fname, entries[name])
+        except BaseException:
+            self.close()
+            raise
+
+    def __getitem__(self, name: str) -> _LazyTensor:
+        return self._tensors[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def read(self, t: _LazyTensor) -> np.ndarray:
+        """Raises `CheckpointError` if the file ends early (cut short since it was opened)."""
+        f = self._open[t.fname]
+        out = np.empty(t.shape, t.dtype)
+        buf = memoryview(out.reshape(-1).view(np.uint8))
+        start = self._data_start[t.fname] + t.offset
+        f.seek(start)
+        done = 0
+        while done < t.nbytes:
+            n = f.readinto(buf[done:])
+            if not n:
+                raise CheckpointError(
+                    f"cannot read {t.fname}: it ends at byte {start + done}, inside tensor "
+                    f"{t.name} (bytes {start}..{start + t.nbytes}): truncated since it was opened"
+                )
+            done += n
+        return out
+
+    def close(self) -> None:
+        for f in self._open.values():
+            f.close()
+        self._open.clear()
+
+    def __enter__(self) -> _Safetensors:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def read_safetensors(path: str | os.PathLike, *, progress: bool | None = None) -> dict[str, Any]:
+    """All tensors of a checkpoint directory (`model.safetensors` or a sharded index) as numpy,
+    at once (`load_model` reads them one at a time instead)."""
+    with _Safetensors(os.fspath(path)) as files:
+        tensors = {}
+        with _progress_bar(sum(t.nbytes for t in files.values()), progress) as advance:
+            for name, t in files.items():
+                tensors[name] = np.asarray(t)
+                advance(t.nbytes)
+        return tensors
 
 
 def load_model(
-    path: str | os.PathLike, dtype=jnp.float32, *, progress: bool | None = None
+    path: str | os.PathLike, dtype=jnp.float32, *, progress: bool | None = None, mesh=None
 ) -> CausalLM:
     """Load a checkpoint into a `CausalLM`: a Hugging Face directory of any supported family
     (MLA: deepseek_v2, deepseek_v3, glm4_moe_lite; GQA: llama), or a `.gguf` file of the llama
     architecture (`leyline_jax.gguf`: dequantized, its Q/K rows un-permuted).
 
     Reads `config.json` and `model.safetensors` (or a sharded `model.safetensors.index.json`),
-    converts names, layouts and dtype. Any problem raises before a model exists: `ConfigError`
-    for an unknown family or unsupported field, `CheckpointNotFoundError` for missing files,
-    `CheckpointError` for missing/unexpected/mis-shaped tensors or unreadable files.
+    converts names, layouts and dtype, streaming: each param reads only its tensors, is built,
+    placed (on the default device, or where `mesh.param_sharding(path, shape)` says: see
+    `model_from_params`) and its host copy dropped before the next is read. Peak host memory
+    beyond the process's own: the params placed in host memory (all of them on CPU, none on an
+    accelerator) plus at most twice the largest tensor or param (the array being built and the
+    one it is built from; measured on CPU: about once). A progress bar over the params placed
+    shows above `PROGRESS_BYTES` (or with `progress=True`). A GGUF file is dequantized whole
+    first, then placed the same way.
+
+    Any problem with the files raises before anything is read: `ConfigError` for an unknown
+    family or unsupported field, `CheckpointNotFoundError` for missing files, `CheckpointError`
+    for missing/unexpected/mis-shaped tensors or unreadable files. The files stay open until
+    the load ends: one cut short in place meanwhile raises `CheckpointError` when a read meets
+    its end; one removed or renamed over still reads as it was when opened.
     """
     path = os.fspath(path)
     if path.endswith(".gguf"):
@@ -349,16 +591,17 @@ def load_model(
         except ValueError as e:  # not a GGUF, another architecture, missing tensors
             raise CheckpointError(str(e)) from e
         config = config_from_hf(hf)
-    else:
-        if not os.path.isdir(path):
-            raise CheckpointNotFoundError(f"checkpoint directory {path} does not exist")
-        try:
-            config = config_from_hf(path)
-        except FileNotFoundError as e:
-            raise CheckpointNotFoundError(str(e)) from e
-        tensors = read_safetensors(path, progress=progress)
-    params = convert_hf_params(config, tensors, dtype)
-    return model_from_params(config, params, dtype)
+        lazy = _lazy_hf_params(config, tensors, dtype)
+        return _build_model(config, lazy, dtype, mesh=mesh, progress=False)
+    if not os.path.isdir(path):
+        raise CheckpointNotFoundError(f"checkpoint directory {path} does not exist")
+    try:
+        config = config_from_hf(path)
+    except FileNotFoundError as e:
+        raise CheckpointNotFoundError(str(e)) from e
+    with _Safetensors(path) as tensors:
+        lazy = _lazy_hf_params(config, tensors, dtype)
+        return _build_model(config, lazy, dtype, mesh=mesh, progress=progress)
 
 
 __all__ = [
