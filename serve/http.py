@@ -181,7 +181,8 @@ def load_backend(
     else:
         path = chat.model_path(model)
         tokenizer = chat.tokenizer_for(path)
-    m = ll.load_model(path)
+    grid = None if mesh is None else parse_mesh(mesh)
+    m = ll.load_model(path, mesh=grid)  # each param placed on its shards as it is read
     dtypes = {
         "bf16": jnp.bfloat16,
         "fp32": jnp.float32,
@@ -195,7 +196,7 @@ def load_backend(
         max_seqs=max_seqs,
         kv_dtype=dtypes[kv_dtype],
         prefill_chunk=prefill_chunk,
-        mesh=None if mesh is None else parse_mesh(mesh),
+        mesh=grid,
     )
     if warmup:
         engine.warmup()
