@@ -1,0 +1,218 @@
+"""Grouped vs dense MoE dispatch at DeepSeek-V2-Lite expert shapes, on this machine's CPU.
+
+    python -m benchmarks.moe_bench [--tokens 1,8,32,128,512] [--dtypes float32,bfloat16]
+                                   [--ragged-tokens 1,32] [--crossover]
+                                   [--out benchmarks/results_moe.json]
+
+One MoE layer's routed experts as V2-Lite has them (E=64, top-6, hidden 2048, moe_intermediate
+1408; random weights, each token's 6 experts drawn uniformly and distinct, as a router gives
+them): per dtype and token count T, the step time of `moe_experts_dense` and of
+`moe_experts_grouped` (each jitted, compile excluded, their repeats interleaved so that a
+neighbour's load on this shared machine falls on both, medians), and what `prefers_grouped`
+picks. Beside each time, the active-expert floor measured in the same run: the larger of the
+routed flops (2 * 3 * T * k * H * I) over the machine's matmul rate in that dtype (a square
+matmul of 2048) and the bytes of the experts the tokens chose (each read once) over its read
+bandwidth. At `--ragged-tokens` (fp32) also the grouped dispatch through `jax.lax.ragged_dot`,
+which jax lowers on CPU to a dense masked matmul over every expert.
+
+`--crossover` adds the sweep `prefers_grouped` was drawn from: small shapes (E*H*I from 2^14 to
+2^21, fp32), T in 1, 16, 256; dense and grouped times and their ratio per point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.common import measure_read_bandwidth, median_time
+from leyline_jax.model import moe_experts_dense, moe_experts_grouped, prefers_grouped
+
+# DeepSeek-V2-Lite's routed experts
+V2_LITE = dict(e=64, k=6, h=2048, i=1408)
+# (H, I, E, k) of the crossover sweep: the tiny test configs' experts (64 x 32, E=8) upwards
+CROSSOVER = (
+    (64, 32, 8, 2),
+    (64, 32, 8, 6),
+    (64, 32, 16, 2),
+    (128, 64, 8, 2),
+    (64, 32, 32, 4),
+    (128, 64, 16, 4),
+    (256, 128, 8, 2),
+    (256, 128, 64, 6),
+)
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def matmul_rate(dtype, n: int = 2048) -> float:
+    """flop/s of an n x n x n matmul in `dtype`, median of 5."""
+    a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n)), dtype)
+    mm = jax.jit(lambda x: x @ x)
+    return 2 * n**3 / median_time(lambda: mm(a))
+
+
+def experts(rng, e: int, h: int, i: int, dtype):
+    """Random gate, up [E, H, I] and down [E, I, H] weights (std 0.02, as an initializer)."""
+    shapes = ((e, h, i), (e, h, i), (e, i, h))
+    return tuple(jnp.asarray(0.02 * rng.standard_normal(s, np.float32), dtype) for s in shapes)
+
+
+def routing(rng, t: int, e: int, k: int):
+    """f32[T, k] weights, i32[T, k] expert ids: k distinct experts per token, uniformly."""
+    idx = np.argsort(rng.random((t, e)), axis=1)[:, :k]
+    return jnp.asarray(rng.random((t, k)), jnp.float32), jnp.asarray(idx, jnp.int32)
+
+
+def interleaved_medians(fns, repeats: int) -> list[float]:
+    """Median wall time of each of `fns` (compiled and warmed first), run in turn `repeats`
+    times so that a change of load on the machine reaches every one of them alike."""
+    for fn in fns:
+        jax.block_until_ready(fn())
+    times = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, ts in zip(fns, times, strict=True):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            ts.append(time.perf_counter() - t0)
+    return [statistics.median(ts) for ts in times]
+
+
+def dispatch_times(x, weights, idx, w, repeats: int, ragged: bool = False) -> list[float]:
+    """Median times of the dense and the grouped dispatch (and of grouped through ragged_dot)."""
+    fns = [moe_experts_dense, moe_experts_grouped]
+    if ragged:
+        fns.append(functools.partial(moe_experts_grouped, ragged=True))
+    jitted = [jax.jit(fn) for fn in fns]
+    return interleaved_medians([lambda f=f: f(x, weights, idx, *w) for f in jitted], repeats)
+
+
+def bench_v2_lite(tokens, dtype_names, ragged_tokens, repeats: int, read_bw: float) -> list[dict]:
+    e, k, h, i = V2_LITE["e"], V2_LITE["k"], V2_LITE["h"], V2_LITE["i"]
+    rows = []
+    for name in dtype_names:
+        dtype = DTYPES[name]
+        rate = matmul_rate(dtype)
+        rng = np.random.default_rng(0)
+        w = experts(rng, e, h, i, dtype)
+        for t in tokens:
+            x = jnp.asarray(rng.standard_normal((t, h), np.float32), dtype)
+            weights, idx = routing(rng, t, e, k)
+            ragged = name == "float32" and t in ragged_tokens
+            dense_s, grouped_s, *ragged_s = dispatch_times(x, weights, idx, w, repeats, ragged)
+            ragged_s = ragged_s[0] if ragged else float("nan")
+            active = len(np.unique(np.asarray(idx)))
+            flop_floor = 2 * 3 * t * k * h * i / rate
+            byte_floor = active * 3 * h * i * jnp.dtype(dtype).itemsize / read_bw
+            floor = max(flop_floor, byte_floor)
+            rows.append(
+                dict(
+                    dtype=name,
+                    tokens=t,
+                    active_experts=active,
+                    dense_s=dense_s,
+                    grouped_s=grouped_s,
+                    ragged_dot_s=ragged_s,
+                    dense_over_grouped=dense_s / grouped_s,
+                    flop_floor_s=flop_floor,
+                    byte_floor_s=byte_floor,
+                    dense_over_floor=dense_s / floor,
+                    grouped_over_floor=grouped_s / floor,
+                    matmul_flop_s=rate,
+                    auto="grouped" if prefers_grouped(e, h, i) else "dense",
+                )
+            )
+            r = rows[-1]
+            print(
+                f"{name:8s} T={t:4d} active={active:2d} dense {dense_s * 1e3:9.1f} ms  "
+                f"grouped {grouped_s * 1e3:8.1f} ms  dense/grouped {r['dense_over_grouped']:5.1f}  "
+                f"floor {floor * 1e3:6.1f} ms  dense/floor {r['dense_over_floor']:6.1f}  "
+                f"grouped/floor {r['grouped_over_floor']:5.1f}  "
+                f"ragged_dot {ragged_s * 1e3:7.1f} ms",
+                flush=True,
+            )
+    return rows
+
+
+def bench_crossover() -> list[dict]:
+    rows = []
+    rng = np.random.default_rng(1)
+    for h, i, e, k in CROSSOVER:
+        w = experts(rng, e, h, i, jnp.float32)
+        for t in (1, 16, 256):
+            x = jnp.asarray(rng.standard_normal((t, h), np.float32))
+            weights, idx = routing(rng, t, e, k)
+            dense_s, grouped_s = dispatch_times(x, weights, idx, w, repeats=15)
+            rows.append(
+                dict(
+                    hidden=h,
+                    inter=i,
+                    experts=e,
+                    k=k,
+                    tokens=t,
+                    ehi=e * h * i,
+                    dense_s=dense_s,
+                    grouped_s=grouped_s,
+                    dense_over_grouped=dense_s / grouped_s,
+                    auto="grouped" if prefers_grouped(e, h, i) else "dense",
+                )
+            )
+            print(
+                f"H={h:3d} I={i:3d} E={e:2d} k={k} T={t:3d} E*H*I={e * h * i:7d}  "
+                f"dense {dense_s * 1e3:8.3f} ms  grouped {grouped_s * 1e3:8.3f} ms  "
+                f"dense/grouped {dense_s / grouped_s:5.2f}  auto {rows[-1]['auto']}",
+                flush=True,
+            )
+    return rows
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", default="1,8,32,128,512")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--ragged-tokens", default="1,32")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--crossover", action="store_true", help="also the small-shape sweep")
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    argv = sys.argv[1:] if argv is None else argv
+    args = ap.parse_args(argv)
+
+    start = time.perf_counter()
+    read_bw = measure_read_bandwidth()
+    print(
+        f"machine: read bandwidth {read_bw / 1e9:.1f} GB/s, jax {jax.__version__} on "
+        f"{jax.devices()[0].platform}",
+        flush=True,
+    )
+    tokens = [int(t) for t in args.tokens.split(",")]
+    result = dict(
+        command=" ".join(["python -m benchmarks.moe_bench", *argv]),
+        jax=jax.__version__,
+        platform=jax.devices()[0].platform,
+        read_bytes_s=read_bw,
+        shapes=V2_LITE,
+        v2_lite=bench_v2_lite(
+            tokens,
+            args.dtypes.split(","),
+            [int(t) for t in args.ragged_tokens.split(",")],
+            args.repeats,
+            read_bw,
+        ),
+    )
+    if args.crossover:
+        result["crossover"] = bench_crossover()
+    result["wall_s"] = time.perf_counter() - start
+    print(f"wall {result['wall_s']:.0f} s")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
