@@ -1,20 +1,32 @@
 """AMORTIZE splice vs FORGET re-prefill, against the splice's byte floor, in one run.
 
     python -m benchmarks.splice_bench [--lengths 512,2048,8192,32768] [--out splice.json]
-        [--repeats 3] [--splice-only]
+        [--repeats 3] [--layers N] [--splice-only]
 
-Bench config (DeepSeek-V2-Lite attention shapes, 2 layers; `benchmarks.common`), fp32 params,
-default cache dtypes (bf16 `c_kv`, fp32 `k_pe`), page size 16. Sequence: a 1024-token prefix,
-a 64-token span, then D downstream tokens. The directive replaces the span by a 16-token stub.
+Bench config (DeepSeek-V2-Lite attention shapes, 2 layers unless `--layers`;
+`benchmarks.common`), fp32 params, default cache dtypes (bf16 `c_kv` stored as bits, fp32
+`k_pe`), page size 16. Sequence: a 1024-token prefix, a 64-token span, then D downstream
+tokens. The directive replaces the span by a 16-token stub.
 
-- `splice`: the fused move+rotate pass alone (the directive's jitted splice step: `splice_rotate`
-  over the plan's slots in each layer's pool).
+- `splice`: the fused move+rotate pass alone (the directive's jitted splice step:
+  `splice_rotate` over the plan's runs in every layer's pool).
 - `amortize`: `apply_directive(..., AMORTIZE)` end to end: host planning, the splice, and the
   stub's prefill.
 - `forget`: re-prefilling stub + downstream after the prefix, which is what FORGET (and a prefix
   cache that ends at the first changed token) pays.
 - floor: D x layers x (kv_lora_rank x 2 B + qk_rope_head_dim x 4 B) x 2 (read + write) over
   the copy bandwidth measured in the same run.
+
+`--splice-only` times the splice pass alone (no model: pools at the config's shapes, random
+KV), in two layouts, each with the implementations side by side (interleaved, medians):
+`pages in order` (the state as a fresh pool lays it out; the 64 -> 16 edit shifts by whole
+pages, so every run is a whole page) and `pages shuffled` (sources and destinations on pages
+in no order, as in a pool that has served for a while, and a 13-token stub: each page splits
+into two runs, 13 and 3 rows). Implementations: `splice` (what the directive runs now: runs,
+`splice_rotate_jnp`), `rows` (the row-by-row reference per layer: the pass before runs) and
+`pieces` (runs moved as dynamic slices of power-of-two pieces: the alternative measured and
+not taken). Floors: the bytes over a memcpy of one large buffer (`memcpy`, the brief's floor)
+and over the in-place copy pass the full mode uses.
 
 The downstream KV is filled with random values through the state's own append path (its values do
 not change the cost of moving it); the prefix and stub go through the model. Medians of
@@ -24,6 +36,8 @@ not change the cost of moving it); the prefix and stub go through the model. Med
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -39,8 +53,7 @@ from benchmarks.common import BENCH_HF_CONFIG, measure_copy_bandwidth, median_ti
 from checkpoints.tiny import write_random_checkpoint
 from leyline_jax import directives as dv
 from leyline_jax import kv_state as kv
-from leyline_jax.model import _inv_freq
-from pallas_kernels.splice_rotate import phase_table
+from pallas_kernels.splice_rotate import Runs, phase_table, plan_runs, splice_rotate_ref
 
 PREFIX, SPAN, STUB, PAGE = 1024, 64, 16, 16
 
@@ -103,20 +116,218 @@ def time_splice_only(model, downstream: int, repeats: int) -> float:
     j = np.where(i < PREFIX, i, i - SPAN + STUB)
     free = np.flatnonzero(np.asarray(state.refcount) == 0)
     row = np.concatenate([old[: first // PAGE], free])
-    src = jnp.asarray(old[i // PAGE] * PAGE + i % PAGE, jnp.int32)
-    dst = jnp.asarray(row[j // PAGE] * PAGE + j % PAGE, jnp.int32)
-    inv = jnp.asarray(_inv_freq(c))
+    runs = _padded(
+        plan_runs(old[i // PAGE] * PAGE + i % PAGE, row[j // PAGE] * PAGE + j % PAGE, i, j)
+    )
+    inv = jnp.asarray(c.rope_inv_freq())
     table = phase_table(inv, state.max_seq_len)  # what apply_directive looks rotations up in
     box = {"pools": state.pools}
-    pos_from, pos_to = jnp.asarray(i, jnp.int32), jnp.asarray(j, jnp.int32)
 
-    def run():  # the step apply_directive runs: `splice_rotate` on each layer's pool, donated
-        box["pools"] = dv._splice_step(
-            box["pools"], src, dst, pos_from, pos_to, inv, table, impl="jnp"
-        )
+    def run():  # the step apply_directive runs: `splice_rotate` over every layer's pool, donated
+        box["pools"] = _splice(box["pools"], runs, inv, table)
         return box["pools"].rotated[-1]
 
     return median_time(run, repeats=repeats)
+
+
+def _padded(runs: Runs) -> Runs:
+    """Runs padded (length 0) to the move bucket the directive would use."""
+    m = 1 << max(4, (len(runs.src) - 1).bit_length())
+    return Runs(*(jnp.asarray(np.pad(a, (0, m - len(a)))) for a in runs))
+
+
+def _splice(pools, runs: Runs, inv, table):
+    """The directive's splice step on the jnp path (its argument order)."""
+    args = runs.src, runs.dst, runs.pos_from, runs.pos_to, inv, table, runs.length
+    return dv._splice_step(pools, *args, impl="jnp")
+
+
+# ---- the splice pass alone, implementations side by side ----------------------------------
+LAYOUTS = {"pages in order": STUB, "pages shuffled": 13}  # layout -> stub length
+
+
+def splice_moves(downstream: int, layout: str, num_pages: int):
+    """(src, dst, pos_from, pos_to) rows of the splice, in a pool of `num_pages` pages: the old
+    pages (prefix, span, downstream) first and the fresh ones after them, or both drawn from
+    the pool in no order ("pages shuffled")."""
+    stub = LAYOUTS[layout]
+    first = (PREFIX // PAGE) * PAGE
+    i = np.concatenate(
+        [np.arange(first, PREFIX), np.arange(PREFIX + SPAN, PREFIX + SPAN + downstream)]
+    )
+    j = np.where(i < PREFIX, i, i - SPAN + stub)
+    n_old = -(-(PREFIX + SPAN + downstream) // PAGE)
+    pages = np.arange(num_pages)
+    if layout == "pages shuffled":
+        pages = np.random.default_rng(0).permutation(num_pages)
+    old, fresh = pages[:n_old], pages[n_old:]
+    row = np.concatenate([old[: first // PAGE], fresh])
+    return old[i // PAGE] * PAGE + i % PAGE, row[j // PAGE] * PAGE + j % PAGE, i, j
+
+
+@functools.partial(jax.jit, static_argnames="k_dtype", donate_argnums=0)
+def _rows_pass(pools, src, dst, pos_from, pos_to, inv, table, *, k_dtype):
+    """The pass before runs: the row-by-row reference on each layer's pool in turn."""
+
+    def one(c, k):
+        c, k = c.reshape(1, -1, c.shape[-1]), k.reshape(1, -1, k.shape[-1])
+        return splice_rotate_ref(
+            c, k, src, dst, pos_from, pos_to, inv, k_dtype=k_dtype, table=table
+        )
+
+    out = [one(c, k) for c, k in zip(pools.moved, pools.rotated, strict=True)]
+    return dataclasses.replace(
+        pools,
+        moved=tuple(a[0].reshape(c.shape) for (a, _), c in zip(out, pools.moved, strict=True)),
+        rotated=tuple(b[0].reshape(k.shape) for (_, b), k in zip(out, pools.rotated, strict=True)),
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("k_dtype", "max_run"), donate_argnums=0)
+def _pieces_pass(pools, runs, inv, table, *, k_dtype, max_run):
+    """Runs as dynamic slices (the alternative measured, not taken): each run cut into
+    power-of-two pieces, one loop per piece size over the runs with that bit, every layer
+    moved in one loop step."""
+    slots = pools.num_pages * pools.page_size
+    cs = tuple(x.reshape(slots, -1) for x in pools.moved)
+    ks = tuple(x.reshape(slots, -1) for x in pools.rotated)
+    h = inv.shape[0]
+    for bit in reversed(range(max_run.bit_length())):
+        n = 1 << bit
+        has = (runs.length >> bit) & 1 == 1
+        (which,) = jnp.nonzero(has, size=has.shape[0], fill_value=0)
+        off = runs.length[which] & -(2 * n)
+        pieces = [a[which] + off for a in (runs.src, runs.dst, runs.pos_from, runs.pos_to)]
+
+        def body(q, ck, n=n, pieces=pieces):
+            s, d, pf, pt = (a[q] for a in pieces)
+            a, b = (jax.lax.dynamic_slice_in_dim(table, p, n) for p in (pf, pt))
+            ca, sa, cb, sb = a[:, :h], a[:, h:], b[:, :h], b[:, h:]
+            cos, sin = cb * ca + sb * sa, sb * ca - cb * sa
+
+            def move(x, rotate):
+                y = jax.lax.dynamic_slice_in_dim(x, s, n)
+                if rotate:
+                    y = kv.from_storage(y, k_dtype).astype(jnp.float32)
+                    y1, y2 = y[:, :h], y[:, h:]
+                    y = jnp.concatenate([y1 * cos - y2 * sin, y2 * cos + y1 * sin], -1)
+                    y = kv.to_storage(y, k_dtype)
+                return jax.lax.dynamic_update_slice_in_dim(x, y, d, 0)
+
+            return tuple(move(x, False) for x in ck[0]), tuple(move(x, True) for x in ck[1])
+
+        cs, ks = jax.lax.fori_loop(0, jnp.sum(has), body, (cs, ks))
+    return dataclasses.replace(
+        pools,
+        moved=tuple(x.reshape(o.shape) for x, o in zip(cs, pools.moved, strict=True)),
+        rotated=tuple(x.reshape(o.shape) for x, o in zip(ks, pools.rotated, strict=True)),
+    )
+
+
+def measure_memcpy_bandwidth(nbytes: int = 256 << 20) -> float:
+    """Bytes/s (read + write counted) of one memcpy between two large, already touched
+    buffers (numpy's copy: libc memcpy), median of 5: the floor a copy of scattered rows is
+    held to."""
+    a, b = np.ones(nbytes // 4, np.float32), np.zeros(nbytes // 4, np.float32)
+    return 2 * nbytes / median_time(lambda: np.copyto(b, a))
+
+
+def _interleaved(fns: dict, repeats: int) -> dict:
+    """Median seconds of each fn, run in turns (one of each per round) after a warm-up each, so
+    the machine's load on a shared box falls on all of them alike."""
+    for fn in fns.values():
+        jax.block_until_ready(fn())
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def splice_passes(config, downstream: int, layout: str, repeats: int) -> dict:
+    """Seconds per splice pass of each implementation (interleaved medians), and the runs."""
+    total = PREFIX + SPAN + downstream + STUB
+    num_pages = 2 * (total // PAGE) + 8
+    src, dst, pos_from, pos_to = splice_moves(downstream, layout, num_pages)
+    runs = plan_runs(src, dst, pos_from, pos_to, max_run=PAGE)
+    n_runs, mean_run = len(runs.src), float(runs.length.mean())
+    runs = _padded(runs)
+    m = 1 << (len(src) - 1).bit_length()
+    fills = (0, num_pages * PAGE, 0, 0)  # padding rows: destination "nowhere"
+    rows = [
+        jnp.asarray(np.pad(a, (0, m - len(a)), constant_values=f))
+        for a, f in zip((src, dst, pos_from, pos_to), fills, strict=True)
+    ]
+    inv = jnp.asarray(config.rope_inv_freq())
+    table = phase_table(inv, total + PAGE)
+    state = ll.init_state(config, num_pages=num_pages, page_size=PAGE, max_seqs=1)
+    pools = _random_kv(state.pools, jnp.asarray(src, jnp.int32), jax.random.PRNGKey(0))
+    k_dtype = pools.rotated_dtype
+    steps = {
+        "splice": lambda p: _splice(p, runs, inv, table),
+        "rows": lambda p: _rows_pass(p, *rows, inv, table, k_dtype=k_dtype),
+        "pieces": lambda p: _pieces_pass(p, runs, inv, table, k_dtype=k_dtype, max_run=PAGE),
+    }
+    boxes = {name: {"pools": jax.tree.map(jnp.copy, pools)} for name in steps}
+    del pools, state
+
+    def timed(name):
+        def run():
+            boxes[name]["pools"] = steps[name](boxes[name]["pools"])
+            return boxes[name]["pools"].rotated[-1]
+
+        return run
+
+    out = _interleaved({name: timed(name) for name in steps}, repeats)
+    return dict(runs=n_runs, mean_run=mean_run, **{f"{k}_s": v for k, v in out.items()})
+
+
+def splice_only(args, cfg: dict) -> list[dict]:
+    config = ll.MLAConfig.from_hf(cfg)
+    memcpy, inplace = measure_memcpy_bandwidth(), measure_copy_bandwidth()
+    print(
+        f"memcpy {memcpy / 1e9:.1f} GB/s, in-place pass {inplace / 1e9:.1f} GB/s (read + write);"
+        f" {config.num_hidden_layers} layers",
+        flush=True,
+    )
+    rows = []
+    for d in (int(x) for x in args.lengths.split(",")):
+        nbytes = d * _bytes_per_token(config) * 2
+        for layout in LAYOUTS:
+            r = splice_passes(config, d, layout, args.repeats)
+            floor, floor_inplace = nbytes / memcpy, nbytes / inplace
+            rows.append(
+                dict(
+                    downstream=d,
+                    layers=config.num_hidden_layers,
+                    layout=layout,
+                    bytes=nbytes,
+                    memcpy_bytes_s=memcpy,
+                    inplace_bytes_s=inplace,
+                    floor_s=floor,
+                    floor_inplace_s=floor_inplace,
+                    **r,
+                    **{
+                        f"{k}_over_floor": r[f"{k}_s"] / floor for k in ("splice", "rows", "pieces")
+                    },
+                    splice_over_inplace_floor=r["splice_s"] / floor_inplace,
+                )
+            )
+            print(
+                f"D={d:6d} {layout:15s} {r['runs']:5d} runs ({r['mean_run']:4.1f} rows) | floor "
+                f"{floor * 1e3:6.1f} ms | splice {r['splice_s'] * 1e3:7.1f} ms "
+                f"({r['splice_s'] / floor:.2f}x) | rows {r['rows_s'] * 1e3:7.1f} ms "
+                f"({r['rows_s'] / floor:.2f}x) | pieces {r['pieces_s'] * 1e3:7.1f} ms "
+                f"({r['pieces_s'] / floor:.2f}x)",
+                flush=True,
+            )
+    return rows
+
+
+def _bytes_per_token(c) -> int:
+    return c.num_hidden_layers * (c.kv_lora_rank * 2 + c.qk_rope_head_dim * 4)
 
 
 def time_reprefill(model, downstream: int, repeats: int) -> float:
@@ -146,40 +357,32 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", default="512,2048,8192,32768")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=BENCH_HF_CONFIG["num_hidden_layers"])
     ap.add_argument("--out", default=None)
     ap.add_argument(
-        "--splice-only", action="store_true", help="time the move+rotate pass alone (fast)"
+        "--splice-only", action="store_true", help="time the move+rotate pass alone (no model)"
     )
     args = ap.parse_args(argv)
+    cfg = dict(BENCH_HF_CONFIG, num_hidden_layers=args.layers, first_k_dense_replace=args.layers)
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform}")
+    if args.splice_only:
+        rows = splice_only(args, cfg)
+    else:
+        rows = amortize_vs_forget(args, cfg)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=2)
+
+
+def amortize_vs_forget(args, cfg: dict) -> list[dict]:
     bw = measure_copy_bandwidth()
-    print(
-        f"machine: copy bandwidth {bw / 1e9:.1f} GB/s (in place, read + write); "
-        f"jax {jax.__version__} on {jax.devices()[0].platform}"
-    )
+    print(f"machine: copy bandwidth {bw / 1e9:.1f} GB/s (in place, read + write)")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = dict(BENCH_HF_CONFIG)
         model = ll.load_model(write_random_checkpoint(os.path.join(tmp, "bench"), cfg))
-        c = model.config
         for d in (int(x) for x in args.lengths.split(",")):
-            per_token = c.num_hidden_layers * (c.kv_lora_rank * 2 + c.qk_rope_head_dim * 4)
-            floor = d * per_token * 2 / bw
+            floor = d * _bytes_per_token(model.config) * 2 / bw
             splice = time_splice_only(model, d, args.repeats)
-            if args.splice_only:
-                print(
-                    f"D={d:6d} floor {floor * 1e3:8.3f} ms | splice {splice * 1e3:8.3f} ms "
-                    f"({splice / floor:.1f}x floor)",
-                    flush=True,
-                )
-                rows.append(
-                    dict(
-                        downstream=d,
-                        floor_s=floor,
-                        splice_s=splice,
-                        splice_over_floor=splice / floor,
-                    )
-                )
-                continue
             amortize = time_amortize(model, d, args.repeats)
             forget = time_reprefill(model, d, 1 if d >= 8192 else args.repeats)
             rows.append(
@@ -202,9 +405,7 @@ def main(argv=None) -> None:
                 f"({r['forget_over_amortize']:.0f}x amortize)",
                 flush=True,
             )
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=2)
+    return rows
 
 
 if __name__ == "__main__":

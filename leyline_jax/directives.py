@@ -4,8 +4,8 @@ A directive `(start, end, replacement, mode)` is in token coordinates of the seq
 now; a batch of directives is atomic, non-overlapping, all in pre-batch coordinates. Semantics are
 DESIGN.md §2. Planning runs on the host (validate, pick fresh pages, compute every moved slot's
 source, destination and old/new position); applying runs on device under jit (one fused
-move+rotate pass per layer's pool through `pallas_kernels.splice_rotate`, then the
-replacements' prefill).
+move+rotate pass over every layer's pools through `pallas_kernels.splice_rotate`, moving runs
+of consecutive slots, then the replacements' prefill).
 
 The splice machinery sees "a band that moves" and "a band that moves and rotates" (halves
 layout), as the family names them (`config.kv_bands()`; MLA: `c_kv` and `k_pe`, GQA: V and K),
@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-import math
 from collections.abc import Sequence
 
 import jax
@@ -30,7 +29,7 @@ from leyline_jax import paged
 from leyline_jax.kv_state import OutOfPagesError, PagedKVState, SequenceError
 from leyline_jax.model import CausalLM
 from pallas_kernels.dispatch import resolve
-from pallas_kernels.splice_rotate import phase_table, splice_rotate
+from pallas_kernels.splice_rotate import TARGETS, Runs, phase_table, plan_runs, splice_rotate
 
 MIN_MOVE_BUCKET = 16
 
@@ -128,6 +127,7 @@ class SplicePlan:
     dst: np.ndarray  # i32[M] new slot
     pos_from: np.ndarray  # i32[M] old position
     pos_to: np.ndarray  # i32[M] new position
+    runs: Runs  # the same moves as runs of consecutive slots (at most a page each)
     fills: list[tuple[int, tuple[int, ...]]]  # (new start, replacement) left to right
 
 
@@ -171,15 +171,17 @@ def plan_splice(
     fills = [
         (d.start + int(cum[q]), d.replacement) for q, d in enumerate(directives) if d.replacement
     ]
+    src, dst, i, j = (a.astype(np.int32) for a in (src, dst, i, j))
     return SplicePlan(
         new_tokens=new_tokens,
         page_row=row,
         fresh=fresh,
         released=np.asarray(page_row[first_page:old_pages], np.int32),
-        src=src.astype(np.int32),
-        dst=dst.astype(np.int32),
-        pos_from=i.astype(np.int32),
-        pos_to=j.astype(np.int32),
+        src=src,
+        dst=dst,
+        pos_from=i,
+        pos_to=j,
+        runs=plan_runs(src, dst, i, j, max_run=ps),
         fills=fills,
     )
 
@@ -192,35 +194,30 @@ def _pad(a: np.ndarray, size: int, fill: int) -> jnp.ndarray:
 
 
 @functools.partial(jax.jit, static_argnames="impl", donate_argnames="pools")
-def _splice_step(pools: kv.KVPools, src, dst, pos_from, pos_to, inv_freq, table, *, impl):
-    """Move + rotate the kept slots (i32[M] each) into their fresh pages (pure on the pools),
-    one layer's arrays at a time (each is its own buffer: moved in place). A family whose slot
-    holds several rows (GQA: one per KV head) moves each row as its own move: the kernel sees
-    rows of one width, each rotated in the halves layout."""
-    pages, ps = pools.num_pages, pools.page_size
-    rows = math.prod(pools.rotated[0].shape[2:-1])
-    if rows > 1:  # slot s -> rows s * rows + r; padding (dst == P * ps) stays padding
-        r = jnp.arange(rows, dtype=jnp.int32)
-        dst = jnp.where(dst[:, None] == pages * ps, pages * ps * rows, dst[:, None] * rows + r)
-        src, dst = (src[:, None] * rows + r).reshape(-1), dst.reshape(-1)
-        pos_from, pos_to = jnp.repeat(pos_from, rows), jnp.repeat(pos_to, rows)
-    cs, ks = [], []
-    for c, k in zip(pools.moved, pools.rotated, strict=True):
-        c2, k2 = splice_rotate(
-            c.reshape(1, pages * ps * rows, -1),
-            k.reshape(1, pages * ps * rows, -1),
-            src,
-            dst,
-            pos_from,
-            pos_to,
-            inv_freq,
-            k_dtype=pools.rotated_dtype,
-            table=table,
-            impl=impl,
-        )
-        cs.append(c2.reshape(c.shape))
-        ks.append(k2.reshape(k.shape))
-    return dataclasses.replace(pools, moved=tuple(cs), rotated=tuple(ks))
+def _splice_step(
+    pools: kv.KVPools, src, dst, pos_from, pos_to, inv_freq, table, length=None, *, impl
+):
+    """Move + rotate the kept slots into their fresh pages (pure on the pools): runs i32[M]
+    each, `length` slots from `src` to `dst` at positions from `pos_from` to `pos_to` (None:
+    one slot each; 0: padding). Every layer's pools go through one `splice_rotate`, each still
+    its own buffer, moved in place, viewed as one row per slot: a slot holding several rows
+    (GQA: one per KV head) is one row of several vectors, all rotated alike."""
+    slots = pools.num_pages * pools.page_size
+    runs = Runs(src, dst, jnp.ones_like(src) if length is None else length, pos_from, pos_to)
+    cs, ks = splice_rotate(
+        tuple(x.reshape(slots, -1) for x in pools.moved),
+        tuple(x.reshape(slots, -1) for x in pools.rotated),
+        runs,
+        inv_freq,
+        k_dtype=pools.rotated_dtype,
+        table=table,
+        max_run=pools.page_size,
+        impl=impl,
+    )
+    return pools.with_bands(
+        [x.reshape(o.shape) for x, o in zip(cs, pools.moved, strict=True)],
+        [x.reshape(o.shape) for x, o in zip(ks, pools.rotated, strict=True)],
+    )
 
 
 @functools.partial(jax.jit, donate_argnames="pools")
@@ -253,7 +250,7 @@ def _truncate(state: PagedKVState, seq: int, length: int) -> PagedKVState:
 
 
 def _uses_jnp(impl) -> bool:
-    return resolve(impl)[0] == "jnp"
+    return resolve(impl, TARGETS).target is None
 
 
 @functools.lru_cache(maxsize=8)
@@ -280,15 +277,16 @@ def _splice(model, state, seq, tokens, directives, impl):
         kv.free_pages(state),
         state.num_pages,
     )
-    m = paged.bucket(len(plan.src), MIN_MOVE_BUCKET)
-    slots = state.num_pages * state.page_size
+    runs = plan.runs
+    m = paged.bucket(len(runs.src), MIN_MOVE_BUCKET)
     pools = _splice_step(
         state.pools,
-        _pad(plan.src, m, 0),
-        _pad(plan.dst, m, slots),
-        _pad(plan.pos_from, m, 0),
-        _pad(plan.pos_to, m, 0),
+        _pad(runs.src, m, 0),
+        _pad(runs.dst, m, 0),
+        _pad(runs.pos_from, m, 0),
+        _pad(runs.pos_to, m, 0),
         *_rotation(model, state, impl),
+        _pad(runs.length, m, 0),  # padding runs move nothing
         impl=impl,
     )
     state = kv.retain_pages(state.replace(pools=pools), plan.fresh)
@@ -411,20 +409,21 @@ def apply_directive(
 
 def precompile(model: CausalLM, state: PagedKVState, *, impl: str | None = None):
     """Compile (and run once, on padding that changes nothing) the directive steps for every
-    bucket one sequence's edit can meet: splice moves up to `max_seq_len` slots, zeroing up to a
-    sequence's pages. Returns the state and how many shapes ran."""
+    bucket one sequence's edit can meet: splice moves up to `max_seq_len` runs of slots, zeroing
+    up to a sequence's pages. Returns the state and how many shapes ran."""
     p, ps = state.num_pages, state.page_size
     runs = 0
     top = paged.bucket(state.max_seq_len, MIN_MOVE_BUCKET)
     for m in (1 << i for i in range(MIN_MOVE_BUCKET.bit_length() - 1, top.bit_length())):
-        zeros = _pad([], m, 0)
+        zeros = _pad([], m, 0)  # every run is padding (length 0): nothing moves
         pools = _splice_step(
             state.pools,
             zeros,
-            _pad([], m, p * ps),  # every destination is padding: nothing moves
+            zeros,
             zeros,
             zeros,
             *_rotation(model, state, impl),
+            zeros,
             impl=impl,
         )
         state = state.replace(pools=pools)

@@ -1,28 +1,53 @@
-"""The `impl` argument every kernel's dispatch takes: one owner for its names and defaults."""
+"""The `impl` argument every kernel's dispatch takes: one owner for its names and defaults.
+
+A kernel module says which accelerators it has a compiled kernel for (its `targets`, e.g.
+("tpu", "gpu")); `resolve` turns `impl` into which implementation runs and how:
+
+- None: the compiled kernel where the backend is one of the targets, the jnp reference elsewhere
+  (on CPU always; on an accelerator the kernel has no version for).
+- "jnp": the reference.
+- "pallas": the compiled kernel for this backend (on a backend it has no version for, the first
+  target's kernel, which then fails to compile there).
+- "interpret": that kernel under Pallas' generic interpreter.
+- "tpu_interpret": the TPU kernel under the TPU-semantics interpreter, which executes in-place
+  aliasing as the hardware would (the generic interpreter gathers before it scatters).
+- "gpu_interpret": the GPU kernel under the generic interpreter (a GPU kernel's only
+  interpreter).
+"""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 from jax.experimental.pallas import tpu as pltpu
 
-IMPLS = ("jnp", "pallas", "interpret", "tpu_interpret")
+IMPLS = ("jnp", "pallas", "interpret", "tpu_interpret", "gpu_interpret")
 
 
-def resolve(impl: str | None) -> tuple[str, object]:
-    """`impl` -> (name, what `pallas_call(interpret=...)` takes; None for "jnp").
+class Impl(NamedTuple):
+    name: str  # one of IMPLS
+    target: str | None  # the kernel that runs: "tpu" or "gpu"; None for the jnp reference
+    interpret: object  # what `pallas_call(interpret=...)` takes; None for the jnp reference
 
-    None: the compiled kernel on TPU, the jnp reference elsewhere. "jnp": the reference;
-    "pallas": the compiled kernel; "interpret": the kernel under Pallas' generic interpreter;
-    "tpu_interpret": under the TPU-semantics interpreter (in-place aliasing executed as the
-    hardware would). Raises ValueError for any other value."""
+
+def resolve(impl: str | None, targets: tuple[str, ...] = ("tpu",)) -> Impl:
+    """`impl` -> `Impl` for a kernel with compiled versions for `targets` (see the module
+    docstring). Raises ValueError for a name outside IMPLS or an interpreter of a target the
+    kernel lacks."""
+    backend = jax.default_backend()
+    native = backend if backend in targets else None
     if impl is None:
-        impl = "pallas" if jax.default_backend() == "tpu" else "jnp"
+        impl = "pallas" if native else "jnp"
     if impl == "jnp":
-        return impl, None
+        return Impl(impl, None, None)
     if impl == "pallas":
-        return impl, False
+        return Impl(impl, native or targets[0], False)
     if impl == "interpret":
-        return impl, True
-    if impl == "tpu_interpret":
-        return impl, pltpu.InterpretParams()
-    raise ValueError(f"unknown impl {impl!r}: None, {', '.join(IMPLS)}")
+        return Impl(impl, native or targets[0], True)
+    if impl == "tpu_interpret" and "tpu" in targets:
+        return Impl(impl, "tpu", pltpu.InterpretParams())
+    if impl == "gpu_interpret" and "gpu" in targets:
+        return Impl(impl, "gpu", True)
+    names = [n for n in IMPLS if not n.endswith("_interpret") or n.split("_")[0] in targets]
+    raise ValueError(f"unknown impl {impl!r}: None, {', '.join(names)}")

@@ -90,6 +90,7 @@ __all__ = [
     "validate_static",
 ]
 
+TARGETS = ("tpu",)  # the backends with a compiled kernel (see `dispatch`)
 DEFAULT_Q_TILES = (64, 8, 1)  # query tile sizes of the jnp path, largest first
 DEFAULT_BLOCK_KV = 512  # slots per kv block (rounded down to whole pages, at least one page)
 DEFAULT_BLOCK_Q = 8  # query tokens per kernel grid step (x N heads = rows of its matmuls)
@@ -636,15 +637,14 @@ def ragged_paged_attention(
     """Ragged paged MLA attention with the implementation for this backend (contract in the
     module docstring).
 
-    impl: None (compiled kernel on TPU, jnp elsewhere), "jnp", "pallas" (compiled kernel),
-    "interpret" (kernel under Pallas' generic interpreter), "tpu_interpret" (kernel under the
-    TPU-semantics interpreter). `kv_dtype` / `k_pe_dtype`: the float type a band's stored values
-    mean (default: its own dtype; required for raw bits). `q_tiles` tunes the jnp path, `block_q`
-    the kernel, `block_kv` both. Concrete metadata is validated here (`validate_dynamic`); under
-    the caller's jit that is the caller's job.
+    impl: see `pallas_kernels.dispatch` (the kernel targets TPU only: None is the compiled
+    kernel on TPU, jnp elsewhere, GPU included). `kv_dtype` / `k_pe_dtype`: the float type a
+    band's stored values mean (default: its own dtype; required for raw bits). `q_tiles` tunes
+    the jnp path, `block_q` the kernel, `block_kv` both. Concrete metadata is validated here
+    (`validate_dynamic`); under the caller's jit that is the caller's job.
     """
     # the grouped form has no kernel yet: by default it takes the jnp path everywhere
-    impl, interpret = resolve("jnp" if impl is None and q_lat is None else impl)
+    impl, _, interpret = resolve("jnp" if impl is None and q_lat is None else impl, TARGETS)
     if q_lat is None and impl != "jnp":
         raise ValueError(f"impl={impl!r}: the grouped form (q_lat None) runs on the jnp path only")
     meta = (kv_lens, page_indices, cu_q_lens, num_rows)

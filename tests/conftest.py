@@ -37,6 +37,8 @@ LONGEST_FIRST = (
     "test_paged.py",  # ~215 s
     "test_cli.py",  # ~115 s (subprocesses; SmolLM2)
     "test_http.py",  # ~90 s (a server process too)
+    "test_multidevice.py",  # ~90 s (its own 8-device process)
+    "test_device_suite.py",  # ~50 s (the device suite's smoke, subprocesses)
     "test_directives.py",
     "test_snapshot.py",
     "test_replay.py",

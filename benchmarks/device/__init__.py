@@ -1,0 +1,6 @@
+"""The device suite: one script (`run.sh`) that measures the project on one GPU and writes JSON.
+
+Each part is a module run in its own process (`python -m benchmarks.device.PART --out FILE`) so
+that one part's crash, hang or out-of-memory loses only its own results; `summary` gathers
+them. `--smoke` runs every part at toy sizes on CPU (CI). See README.md beside this file.
+"""

@@ -1,0 +1,115 @@
+"""(c) AMORTIZE vs FORGET at long downstream lengths, on a V2-Lite-shaped model.
+
+    python -m benchmarks.device.edit --out edit.json [--smoke] [--budget S]
+
+Model: the V2-Lite config with `edit_layers` decoder layers (4 at full size, a dense one then
+MoE ones: every 32k-token prefill through 27 layers would not fit this part's time budget; both
+arms' costs grow about linearly with layers, so their ratio carries over), random bf16 weights
+made on the device. Paged state: bf16 `c_kv`, fp32 `k_pe`, page 16. Sequence 0 holds a prefix,
+a span and D downstream tokens, prefilled through the model. Each timed run forks it into
+sequence 1 (pages shared), applies `Directive(prefix, prefix + span, stub, mode)` there through
+`leyline_jax.apply_directive` and frees it again: AMORTIZE splices the D downstream tokens and
+prefills the stub; FORGET drops everything from the prefix on and re-prefills stub + D. Time:
+from the call until its pools are ready; medians after a warm-up run (compiles excluded). On a
+fork the pages FORGET drops stay referenced by sequence 0, so neither arm zeroes pages here.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import jax.numpy as jnp
+import numpy as np
+
+import leyline_jax as ll
+from benchmarks.device import measure, report
+from benchmarks.device.model import finite
+from benchmarks.device.shapes import sizes
+from benchmarks.device.splice import splice_impl
+from leyline_jax.loader import config_from_hf
+
+
+def run_arm(model, state, directive, runs: int) -> tuple:
+    """`runs` timed applications of `directive` to forks of sequence 0 -> (state, seconds)."""
+    out = []
+    for _ in range(runs):
+        state = ll.fork(state, 0, 1)
+        box = {}
+
+        def apply(state=state, box=box):
+            box["state"] = ll.apply_directive(model, state, 1, directive)
+            return box["state"].pools
+
+        out.append(measure.timed(apply))
+        state = ll.free(box["state"], 1)
+    return state, out
+
+
+def main(argv=None) -> None:
+    args = report.parser(__doc__.splitlines()[0]).parse_args(argv)
+    sz = sizes(args.smoke)
+    with report.Part("edit", args) as part:
+        config = config_from_hf(dict(sz.hf, num_hidden_layers=sz.edit_layers))
+        part.set(
+            device=measure.device_info(),
+            splice=splice_impl(),
+            config=dict(
+                layers=config.num_hidden_layers,
+                full_layers=sz.hf["num_hidden_layers"],
+                layers_note=(
+                    "fewer layers than the full config: 32k-token prefills through every layer "
+                    "do not fit this part's time budget; both arms scale about linearly in layers"
+                    if config.num_hidden_layers < sz.hf["num_hidden_layers"]
+                    else None
+                ),
+                prefix=sz.edit_prefix,
+                span=sz.edit_span,
+                stub=sz.edit_stub,
+                page_size=sz.page_size,
+                weights="bfloat16",
+            ),
+        )
+        model = measure.random_model(config, jnp.bfloat16)
+        ps, top = sz.page_size, sz.edit_prefix + sz.edit_span + max(sz.edit_downstream)
+        pages = -(-top // ps) + -(-(sz.edit_stub + max(sz.edit_downstream)) // ps) + 4
+        state = ll.init_state(
+            config, num_pages=pages, page_size=ps, max_seqs=2, max_seq_len=(-(-top // ps) + 1) * ps
+        )
+        rng = np.random.default_rng(0)
+        stub = rng.integers(0, config.vocab_size, sz.edit_stub).tolist()
+        for i, d in enumerate(sz.edit_downstream):
+            if part.out_of_time():
+                part.skip(f"downstream={d}: out of time")
+                continue
+            tokens = rng.integers(0, config.vocab_size, sz.edit_prefix + sz.edit_span + d)
+            state, logits = ll.prefill(model, state, 0, tokens)
+            finite(logits)
+            times = {}
+            for mode in (ll.Mode.AMORTIZE, ll.Mode.FORGET):
+                directive = ll.Directive(
+                    sz.edit_prefix, sz.edit_prefix + sz.edit_span, stub, mode=mode
+                )
+                # AMORTIZE compiles a splice per move bucket (one per D); FORGET's shapes are
+                # the same at every D (whole chunks plus the stub's remainder)
+                warm = 1 if mode is ll.Mode.AMORTIZE or i == 0 else 0
+                runs = sz.repeats if mode is ll.Mode.AMORTIZE else sz.edit_forget_repeats
+                state, samples = run_arm(model, state, directive, warm + runs)
+                times[mode.value] = samples[warm:]
+            state = ll.free(state, 0)
+            amortize, forget = (statistics.median(times[m]) for m in ("amortize", "forget"))
+            part.add(
+                dict(
+                    downstream=d,
+                    amortize_s=amortize,
+                    forget_s=forget,
+                    forget_over_amortize=forget / amortize,
+                    amortize_samples_s=times["amortize"],
+                    forget_samples_s=times["forget"],
+                    spliced_tokens=d,
+                    forget_prefilled_tokens=sz.edit_stub + d,
+                )
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""One part's JSON result file, and the command line every part shares (no jax, no torch).
+
+A part's file is rewritten after every row it measures, so a part that its time budget kills
+still leaves what it had measured (status "running": the summary then reports a timeout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+import traceback
+
+
+def clean(x):
+    """`x` with every non-finite float replaced by None: strict JSON, and no NaN for a reader
+    to mistake for a number."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [clean(v) for v in x]
+    return x
+
+
+def write_json(path: str, data) -> None:
+    """Write atomically (a reader never sees half a file, even if the writer is killed)."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(clean(data), f, indent=1, allow_nan=False)
+    os.replace(tmp, path)
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    """The arguments every part takes (run.sh passes them); a part may add its own."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--out", required=True, help="the part's JSON file")
+    ap.add_argument("--smoke", action="store_true", help="toy sizes on CPU (CI)")
+    ap.add_argument(
+        "--budget", type=float, default=600.0, help="seconds run.sh allows this part (timeout)"
+    )
+    return ap
+
+
+class Part:
+    """Context manager around one part's run: status "running" until the body returns ("ok",
+    or "partial" when rows were skipped to stay inside the budget) or raises ("failed", with the
+    traceback's tail; the exception propagates, so the process exits non-zero)."""
+
+    def __init__(self, name: str, args: argparse.Namespace):
+        self.path, self.budget, self.smoke = args.out, args.budget, args.smoke
+        self.t0 = time.monotonic()
+        self.data = {
+            "part": name,
+            "status": "running",
+            "smoke": args.smoke,
+            "budget_s": args.budget,
+            "elapsed_s": 0.0,
+            "rows": [],
+            "skipped": [],
+            "error": None,
+        }
+
+    def __enter__(self) -> Part:
+        self.write()
+        return self
+
+    def __exit__(self, kind, value, tb) -> None:
+        if kind is None:
+            self.data["status"] = "partial" if self.data["skipped"] else "ok"
+        else:
+            self.data["status"] = "failed"
+            self.data["error"] = "".join(traceback.format_exception(kind, value, tb))[-4000:]
+        self.write()
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    def out_of_time(self, fraction: float = 0.7) -> bool:
+        """Past `fraction` of the budget: the next measurement might not finish, so skip it and
+        keep what is done (a measurement cannot be interrupted halfway, a compile least). Never
+        in the smoke, which exists to run every row (its timeout still stops a hang)."""
+        return not self.smoke and self.elapsed() > fraction * self.budget
+
+    def set(self, **fields) -> None:
+        self.data.update(fields)
+        self.write()
+
+    def add(self, row: dict) -> None:
+        self.data["rows"].append(row)
+        self.write()
+
+    def skip(self, what: str) -> None:
+        self.data["skipped"].append(what)
+        self.write()
+
+    def write(self) -> None:
+        self.data["elapsed_s"] = self.elapsed()
+        write_json(self.path, self.data)

@@ -1,0 +1,160 @@
+"""What the device suite measures, at full size (one H200) and at smoke size (CPU, CI).
+
+Kept free of jax and torch so that every part, the Hugging Face one included, reads the same
+config and lengths from one place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+# DeepSeek-V2-Lite's config.json (15.7B parameters, 2.4B active): the shapes the suite measures.
+V2_LITE_HF = dict(
+    model_type="deepseek_v2",
+    architectures=["DeepseekV2ForCausalLM"],
+    vocab_size=102400,
+    hidden_size=2048,
+    intermediate_size=10944,
+    moe_intermediate_size=1408,
+    num_hidden_layers=27,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    n_routed_experts=64,
+    n_shared_experts=2,
+    num_experts_per_tok=6,
+    first_k_dense_replace=1,
+    moe_layer_freq=1,
+    topk_method="greedy",
+    n_group=1,
+    topk_group=1,
+    norm_topk_prob=False,
+    routed_scaling_factor=1.0,
+    scoring_func="softmax",
+    kv_lora_rank=512,
+    q_lora_rank=None,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    hidden_act="silu",
+    attention_bias=False,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    initializer_range=0.02,
+    max_position_embeddings=163840,
+    rope_theta=10000.0,
+    rope_scaling=dict(
+        type="yarn",
+        factor=40.0,
+        original_max_position_embeddings=4096,
+        beta_fast=32,
+        beta_slow=1,
+        mscale=0.707,
+        mscale_all_dim=0.707,
+    ),
+    bos_token_id=100000,
+    eos_token_id=100001,
+)
+
+# The same architecture at toy size: every code path of the full config (a dense first layer,
+# routed + shared experts, YaRN, no q_lora), small enough for a 2-core CPU.
+SMOKE_HF = dict(
+    V2_LITE_HF,
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=16,
+    v_head_dim=16,
+    max_position_embeddings=8192,
+    rope_scaling=dict(
+        V2_LITE_HF["rope_scaling"], factor=4.0, original_max_position_embeddings=2048
+    ),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """Lengths and repeats of every part. `edit_layers` < the config's layers: (c) prefills
+    32k-token sequences several times, which at 27 layers would not fit its time budget; both
+    arms scale about linearly in layers, so their ratio survives the cut (the JSON says so)."""
+
+    hf: dict  # the Hugging Face config dict every part builds its model from
+    page_size: int
+    # (b) the splice pass alone
+    splice_downstream: tuple[int, ...]
+    # (c) AMORTIZE vs FORGET: a prefix, a span replaced by a stub, then D downstream tokens
+    edit_downstream: tuple[int, ...]
+    edit_layers: int
+    edit_prefix: int
+    edit_span: int
+    edit_stub: int
+    edit_forget_repeats: int  # FORGET re-prefills D tokens per run: the costliest timed run
+    # (d) the whole model (decode runs first: its largest batch is the target)
+    prefill_lengths: tuple[int, ...]
+    decode_batches: tuple[int, ...]
+    decode_context: int  # tokens each decoding sequence holds before the timed steps
+    decode_steps: int  # timed steps per batch (after `decode_warmup`)
+    decode_warmup: int
+    repeats: int  # timed runs of everything else (after one warm-up run)
+    copy_bytes: int  # buffer of the bandwidth measurement
+    matmul_n: int  # n of the n x n x n bf16 matmul that measures the flop rate
+
+
+FULL = Sizes(
+    hf=V2_LITE_HF,
+    page_size=16,
+    splice_downstream=(8192, 32768, 131072),
+    edit_downstream=(8192, 32768),
+    edit_layers=4,
+    edit_prefix=1024,
+    edit_span=64,
+    edit_stub=20,
+    edit_forget_repeats=1,
+    prefill_lengths=(512, 2048, 8192),
+    decode_batches=(32, 8, 1),  # the target's batch first: it is kept if time runs out
+    decode_context=512,
+    decode_steps=10,
+    decode_warmup=2,
+    repeats=3,
+    copy_bytes=4 << 30,
+    matmul_n=8192,
+)
+
+# Toy lengths picked to share compiled shapes (the step's token and row buckets: every prefill
+# here and the decode contexts run bucket 64, both decode batches bucket 4; both edits' prefills
+# and re-prefills bucket 256, their splices one move bucket), so the smoke spends its two
+# minutes running every code path rather than compiling each length anew.
+SMOKE = Sizes(
+    hf=SMOKE_HF,
+    page_size=16,
+    splice_downstream=(256, 1024),
+    edit_downstream=(130, 170),
+    edit_layers=2,
+    edit_prefix=64,
+    edit_span=16,
+    edit_stub=5,
+    edit_forget_repeats=1,
+    prefill_lengths=(40, 52, 64),
+    decode_batches=(4, 3),
+    decode_context=64,
+    decode_steps=3,
+    decode_warmup=1,
+    repeats=2,
+    copy_bytes=16 << 20,
+    matmul_n=256,
+)
+
+# What an H200 (SXM) is rated at, for context beside the measured rates (never for a floor).
+SPEC_PEAKS = {"NVIDIA H200": {"bf16_dense_flop_s": 989e12, "hbm_bytes_s": 4.8e12}}
+
+
+def sizes(smoke: bool) -> Sizes:
+    return SMOKE if smoke else FULL

@@ -1,0 +1,142 @@
+"""(b) The splice pass against the device's memory bandwidth, measured in the same run.
+
+    python -m benchmarks.device.splice --out splice.json [--smoke] [--budget S]
+
+Pools as `leyline_jax.init_state` stores them at the config's shapes (V2-Lite: 27 layers, bf16
+`c_kv` [P, 16, 512] as raw bits, fp32 `k_pe` [P, 16, 64]), page size 16. The moves are those of
+an AMORTIZE splice of D downstream tokens: a span of `edit_span` tokens after a prefix of
+`edit_prefix` replaced by `edit_stub` (a shift that is not a whole page, so a page's rows split
+into two runs, as a real splice's do), the sequence's pages and the fresh ones scattered over
+the pool (a serving pool after some churn: no run continues across a page). Timed:
+`pallas_kernels.splice_rotate.splice_rotate` of every layer's pools in one jitted, donated step,
+as the directive runs it, with the runs `plan_runs` makes of those rows (impl=None: the
+backend's default; the JSON records which implementation that is). Bytes = D x layers x (R x
+2 B + Dr x 4 B) x 2 (read + write); achieved bandwidth = bytes / time, as a fraction of the
+copy bandwidth measured here (target >= 0.7 on the H200).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import statistics
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import leyline_jax as ll
+from benchmarks.device import measure, report
+from benchmarks.device.floors import kv_bytes_per_token
+from benchmarks.device.shapes import sizes
+from leyline_jax.loader import config_from_hf
+from pallas_kernels.dispatch import resolve
+from pallas_kernels.splice_rotate import TARGETS, Runs, phase_table, plan_runs, splice_rotate
+
+
+def plan(d: int, prefix: int, span: int, stub: int, ps: int, pages: int) -> Runs:
+    """The runs of moving one sequence's d downstream tokens from positions prefix + span + i
+    to prefix + stub + i, from its pages to fresh ones, both drawn at random from `pages`."""
+    old = -(-(prefix + span + d) // ps)
+    first = prefix // ps  # the first page the edit changes: fresh pages replace it on
+    order = np.random.default_rng(0).permutation(pages)
+    table, fresh = order[:old], order[old : old + old - first]
+    i = prefix + span + np.arange(d)
+    j = prefix + stub + np.arange(d)
+    src = table[i // ps] * ps + i % ps
+    dst = fresh[j // ps - first] * ps + j % ps
+    return plan_runs(src, dst, i, j, max_run=ps)
+
+
+def splice_impl() -> dict:
+    """Which splice implementation impl=None runs on this backend (a compiled kernel's target,
+    or None for the jnp path)."""
+    impl = resolve(None, TARGETS)
+    return {"impl": impl.name, "kernel": impl.target}
+
+
+@functools.partial(jax.jit, static_argnames="impl", donate_argnames="pools")
+def splice_all(pools, runs: Runs, inv_freq, table, *, impl):
+    """One `splice_rotate` over every layer's pools (as the directive's splice step runs it),
+    each viewed as one row per slot."""
+    slots = pools.num_pages * pools.page_size
+    cs, ks = splice_rotate(
+        tuple(x.reshape(slots, -1) for x in pools.moved),
+        tuple(x.reshape(slots, -1) for x in pools.rotated),
+        runs,
+        inv_freq,
+        k_dtype=pools.rotated_dtype,
+        table=table,
+        max_run=pools.page_size,
+        impl=impl,
+    )
+    return dataclasses.replace(
+        pools,
+        moved=tuple(x.reshape(o.shape) for x, o in zip(cs, pools.moved, strict=True)),
+        rotated=tuple(x.reshape(o.shape) for x, o in zip(ks, pools.rotated, strict=True)),
+    )
+
+
+def time_splice(config, sz, d: int, iters: int) -> tuple[list, int]:
+    """(seconds per splice of d downstream tokens, samples; runs per splice), on fresh pools
+    sized for it."""
+    ps = sz.page_size
+    pages = 2 * (-(-(sz.edit_prefix + sz.edit_span + d) // ps) + 1)
+    state = ll.init_state(config, num_pages=pages, page_size=ps, max_seqs=1, max_seq_len=pages * ps)
+    runs = plan(d, sz.edit_prefix, sz.edit_span, sz.edit_stub, ps, pages)
+    device_runs = Runs(*(jnp.asarray(a) for a in runs))
+    inv = jnp.asarray(config.rope_inv_freq())
+    table = phase_table(inv, pages * ps)
+    box = {"pools": state.pools}
+
+    def run():
+        box["pools"] = splice_all(box["pools"], device_runs, inv, table, impl=None)
+        return box["pools"].rotated[-1]
+
+    return measure.times(run, repeats=5, iters=iters), len(runs.src)
+
+
+def main(argv=None) -> None:
+    args = report.parser(__doc__.splitlines()[0]).parse_args(argv)
+    sz = sizes(args.smoke)
+    with report.Part("splice", args) as part:
+        config = config_from_hf(sz.hf)
+        bw = measure.copy_bandwidth(sz.copy_bytes)
+        device = measure.device_info()
+        part.set(
+            device=device,
+            **splice_impl(),
+            copy_bandwidth=bw,
+            config=dict(
+                layers=config.num_hidden_layers,
+                kv_lora_rank=config.kv_lora_rank,
+                qk_rope_head_dim=config.qk_rope_head_dim,
+                page_size=sz.page_size,
+                c_kv_dtype="bfloat16",
+                k_pe_dtype="float32",
+            ),
+        )
+        spec = (device["spec_peaks"] or {}).get("hbm_bytes_s")
+        for d in sz.splice_downstream:
+            if part.out_of_time():
+                part.skip(f"downstream={d}: out of time")
+                continue
+            samples, runs = time_splice(config, sz, d, iters=3 if args.smoke else 10)
+            t = statistics.median(samples)
+            nbytes = d * kv_bytes_per_token(config) * 2
+            part.add(
+                dict(
+                    downstream=d,
+                    runs=runs,
+                    splice_s=t,
+                    samples_s=samples,
+                    bytes=nbytes,
+                    bytes_s=nbytes / t,
+                    fraction_of_copy_bw=nbytes / t / bw["bytes_s"],
+                    fraction_of_spec_bw=nbytes / t / spec if spec else None,
+                )
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""Render a device-suite run as the markdown to paste into BENCHMARKS.md.
+
+    python -m benchmarks.device.to_markdown OUTDIR
+
+Reads OUTDIR/summary.json and each part's JSON (whatever exists: a part that failed shows as
+its status) and prints the tables: kernel tests, the splice pass against the copy bandwidth,
+AMORTIZE vs FORGET, the model beside its floor and Hugging Face, and the targets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+
+def _load(out: str, name: str) -> dict | None:
+    path = os.path.join(out, f"{name}.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def _num(x, fmt: str = ".3g", suffix: str = "") -> str:
+    return "—" if x is None else f"{x:{fmt}}{suffix}"
+
+
+def _ms(s) -> str:
+    return "—" if s is None else f"{s * 1e3:.3g} ms"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    align = ["---" if i == 0 else "---:" for i in range(len(header))]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
+    return lines + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def render(out: str) -> str:
+    summary = _load(out, "summary") or {}
+    env = summary.get("environment", {})
+    device = env.get("device") or {}
+    git = summary.get("git") or {}
+    lines = [
+        f"Device suite ({'smoke, ' if summary.get('smoke') else ''}"
+        f"{device.get('device_kind', '?')}, {summary.get('date', '?')}, "
+        f"commit {(git.get('commit') or '?')[:7]}{' + changes' if git.get('dirty') else ''}, "
+        f"jax {env.get('packages', {}).get('jax')}, torch {env.get('packages', {}).get('torch')}, "
+        f"transformers {env.get('packages', {}).get('transformers')}). Command: "
+        f"`benchmarks/device/run.sh OUTDIR`.",
+        "",
+        "Parts: "
+        + ", ".join(
+            f"{name} {p['status']} ({p['wall_s']:.0f} s)"
+            for name, p in summary.get("parts", {}).items()
+        )
+        + ".",
+    ]
+
+    kernels = _load(out, "kernels")
+    if kernels and "counts" in kernels:
+        c = kernels["counts"]
+        lines += [
+            "",
+            f"Compiled-kernel tests (`pytest -m accelerator` over "
+            f"{', '.join(kernels['files']) or 'no file'}): {c['passed']} passed, "
+            f"{c['failed']} failed, {c['skipped']} skipped, "
+            f"{c['error']} errors.",
+        ]
+
+    splice = _load(out, "splice")
+    if splice and splice.get("rows"):
+        cfg, bw = splice["config"], splice["copy_bandwidth"]
+        lines += [
+            "",
+            f"Splice pass (`splice_rotate`, impl `{splice['impl']}`, kernel "
+            f"`{splice['kernel']}`; {cfg['layers']} layers, "
+            f"c_kv {cfg['kv_lora_rank']} bf16 + k_pe {cfg['qk_rope_head_dim']} fp32, page "
+            f"{cfg['page_size']}); copy bandwidth measured in the same run: "
+            f"{bw['bytes_s'] / 1e9:.0f} GB/s (read + write).",
+            "",
+            *_table(
+                ["downstream", "runs", "time", "bytes", "GB/s", "of copy bw", "of spec HBM"],
+                [
+                    [
+                        str(r["downstream"]),
+                        str(r["runs"]),
+                        _ms(r["splice_s"]),
+                        f"{r['bytes'] / 1e6:.0f} MB",
+                        _num(r["bytes_s"] / 1e9, ".0f"),
+                        _num(r["fraction_of_copy_bw"], ".0%"),
+                        _num(r["fraction_of_spec_bw"], ".0%"),
+                    ]
+                    for r in splice["rows"]
+                ],
+            ),
+        ]
+
+    edit = _load(out, "edit")
+    if edit and edit.get("rows"):
+        cfg = edit["config"]
+        note = f" ({cfg['layers_note']})" if cfg.get("layers_note") else ""
+        lines += [
+            "",
+            f"AMORTIZE vs FORGET (`apply_directive`; {cfg['layers']} of "
+            f"{cfg['full_layers']} layers{note}; prefix {cfg['prefix']}, span {cfg['span']} -> "
+            f"stub {cfg['stub']}; splice impl `{edit['splice']['impl']}`):",
+            "",
+            *_table(
+                ["downstream", "AMORTIZE", "FORGET", "FORGET / AMORTIZE"],
+                [
+                    [
+                        str(r["downstream"]),
+                        _ms(r["amortize_s"]),
+                        _ms(r["forget_s"]),
+                        _num(r["forget_over_amortize"], ".3g", "x"),
+                    ]
+                    for r in edit["rows"]
+                ],
+            ),
+        ]
+
+    model, hf = _load(out, "model"), _load(out, "hf")
+    if model and model.get("rows"):
+        cfg, peaks = model["config"], model["peaks"]
+        hf_cfg = (hf or {}).get("config", {})
+        hf_dev = (hf or {}).get("device", {})
+        rows = sorted(model["rows"], key=lambda r: (r["kind"] != "prefill", r["size"]))
+        lines += [
+            "",
+            f"Model: {cfg['layers']} layers, {cfg['params'] / 1e9:.3g}B params, "
+            f"random {cfg['weights']} weights; decode at {cfg['decode_context']} tokens of "
+            f"context. Floor = max(flops / {peaks['bf16_matmul_flop_s'] / 1e12:.3g} TFLOP/s, "
+            f"bytes / {peaks['copy_bytes_s'] / 1e12:.3g} TB/s), both measured in the same run. "
+            f"HF: transformers {hf_dev.get('transformers', '?')} on {hf_dev.get('name', '?')}, "
+            f"attention `{hf_cfg.get('attn_implementation')}`, experts "
+            f"`{hf_cfg.get('experts_implementation')}`"
+            + (f" ({model['hf_note']})" if model.get("hf_note") else "")
+            + ".",
+            "",
+            *_table(
+                [
+                    "kind",
+                    "size",
+                    "ours tok/s",
+                    "HF tok/s",
+                    "floor tok/s",
+                    "ours / HF",
+                    "time / floor",
+                ],
+                [
+                    [
+                        r["kind"],
+                        str(r["size"]),
+                        _num(r["ours_tok_s"], ".4g"),
+                        _num(r["hf_tok_s"], ".4g"),
+                        _num(r["floor_tok_s"], ".4g"),
+                        _num(r["speedup_vs_hf"], ".2f"),
+                        _num(r["ours_over_floor"], ".1f"),
+                    ]
+                    for r in rows
+                ],
+            ),
+        ]
+
+    if summary.get("targets"):
+        lines += [
+            "",
+            *_table(
+                ["target", "measured", "met"],
+                [
+                    [t["target"], _num(t["value"], ".2f"), "yes" if t["met"] else "**no**"]
+                    for t in summary["targets"]
+                ],
+            ),
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out")
+    print(render(ap.parse_args(argv).out), end="")
+
+
+if __name__ == "__main__":
+    main()
