@@ -212,7 +212,7 @@ def _splice_step(
         k_dtype=pools.rotated_dtype,
         table=table,
         max_run=pools.page_size,
-        impl=impl,
+        impl=pools.kernel_impl(impl),
     )
     return pools.with_bands(
         [x.reshape(o.shape) for x, o in zip(cs, pools.moved, strict=True)],

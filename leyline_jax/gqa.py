@@ -216,6 +216,7 @@ class GQAAttention(nnx.Module):
             scale=self.config.softmax_scale,
             kv_dtype=pools.moved_dtype,
             k_pe_dtype=pools.rotated_dtype,
+            impl=pools.kernel_impl(None),
         )
         return self.output(out.astype(x.dtype)), pools
 

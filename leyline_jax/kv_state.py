@@ -99,6 +99,14 @@ class KVPools:
     def num_layers(self) -> int:
         return len(self.moved)
 
+    def kernel_impl(self, impl: str | None) -> str | None:
+        """The kernel implementation a step over these pools uses: `impl` on one device (or
+        replicated pools); the jnp path when the pools are split over a mesh, which XLA's SPMD
+        partitioner can split too (a compiled Pallas kernel is one opaque call it cannot)."""
+        if impl is None and self.sharding is not None and not self.sharding.is_fully_replicated:
+            return "jnp"
+        return impl
+
     def with_bands(self, moved, rotated) -> KVPools:
         """The pools holding new per-layer arrays. Every step that changes the pools returns
         them through here: under a mesh each array is kept at `sharding` (traced inside a
@@ -214,6 +222,8 @@ def init_state(
     for name, dt in (("kv_dtype", kv_dtype), ("k_pe_dtype", k_pe_dtype)):
         if not jnp.issubdtype(dt, jnp.floating):
             raise ValueError(f"{name} must be a floating dtype, got {dt}")
+    if mesh is not None and not hasattr(mesh, "pool_sharding"):
+        raise ValueError(f"mesh must be a leyline_jax.sharding.MeshConfig, got {mesh!r}")
     layers, bands = config.num_hidden_layers, config.kv_bands()
     sharding = None if mesh is None else mesh.pool_sharding((num_pages, page_size))
 

@@ -354,6 +354,10 @@ def _place(leaf, want: jax.ShapeDtypeStruct, path, mesh) -> jax.Array:
 
 
 def _build_model(config, params: Mapping[str, Any], dtype, *, mesh, progress) -> CausalLM:
+    if mesh is not None and not callable(getattr(mesh, "param_sharding", None)):
+        raise ValueError(
+            f"mesh must be a leyline_jax.sharding.MeshConfig (or have param_sharding), got {mesh!r}"
+        )
     abstract = nnx.eval_shape(lambda: CausalLM(config, dtype))
     graphdef, state = nnx.split(abstract)
     expected, treedef = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))

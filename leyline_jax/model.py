@@ -401,6 +401,7 @@ class MLAAttention(nnx.Module):
             scale=self.config.softmax_scale,
             kv_dtype=pools.moved_dtype,
             k_pe_dtype=pools.rotated_dtype,
+            impl=pools.kernel_impl(None),
         )
         return self.output(expand_values(out.astype(x.dtype), w_vb)), pools
 

@@ -12,14 +12,17 @@ only this runtime object changes. A `MeshConfig` holds a `jax.sharding.Mesh` wit
   its pools are split by page;
 - everything else (norms, the router, the latent projections) replicated.
 
-A dimension a rule names is split only where the mesh axis divides it; otherwise it is
-replicated (a GQA model with 3 KV heads on a 4-way `model` axis keeps K/V projections whole).
+A dimension a rule names is split only where the mesh axis divides its size; otherwise it is
+replicated. Head axes are stored flattened (`[H, N * D]`), so a divisible width may be split
+through a head (the partitioner computes the same result; only communication differs).
 
 The computation is left to XLA's SPMD partitioner: every jitted step takes its operands with
-these shardings and the pools keep theirs across steps (`leyline_jax.kv_state.constrain`), so a
+these shardings and the pools keep theirs across steps (`KVPools.with_bands`), so a
 step under a mesh computes what it computes on one device (up to the order of reductions) and
-never recompiles in steady state. Host bookkeeping (page tables, lengths, token ids) is the
-same on every mesh; page ids are global.
+never recompiles in steady state. Over split pools the kernels take their jnp paths
+(`KVPools.kernel_impl`): a compiled Pallas kernel is one call the partitioner cannot split.
+Host bookkeeping (page tables, lengths, token ids) is the same on every mesh; page ids are
+global, and the page allocator does not keep a sequence's pages on one `data` shard.
 """
 
 from __future__ import annotations
@@ -83,11 +86,17 @@ class MeshConfig:
     rules: Mapping[str, str | None] = dataclasses.field(default_factory=lambda: dict(DEFAULT_RULES))
 
     def __post_init__(self):
+        if not isinstance(self.mesh, Mesh):
+            raise ValueError(f"mesh must be a jax.sharding.Mesh, got {self.mesh!r}")
         if tuple(self.mesh.axis_names) != MESH_AXES:
             raise ValueError(f"mesh axes must be {MESH_AXES}, got {self.mesh.axis_names}")
         for logical, axis in self.rules.items():
+            if logical not in DEFAULT_RULES:
+                raise ValueError(f"rule {logical!r}: not a logical axis {sorted(DEFAULT_RULES)}")
             if axis is not None and axis not in MESH_AXES:
                 raise ValueError(f"rule {logical!r} -> {axis!r}: not a mesh axis {MESH_AXES}")
+        # rules given override the defaults; a logical axis they leave out keeps its default
+        object.__setattr__(self, "rules", {**DEFAULT_RULES, **self.rules})
 
     def __hash__(self):  # rules is a dict: hash by value
         return hash((self.mesh, tuple(sorted(self.rules.items()))))
@@ -106,7 +115,7 @@ class MeshConfig:
             )
         grid = np.asarray(devices[: data * model], dtype=object).reshape(data, model)
         mesh = Mesh(grid, MESH_AXES)
-        return cls(mesh) if rules is None else cls(mesh, {**DEFAULT_RULES, **rules})
+        return cls(mesh, dict(rules or {}))
 
     @property
     def shape(self) -> dict[str, int]:

@@ -285,17 +285,17 @@ class RunsJnpTest:
         """Rows no run names keep their bits (`check`); rows past a run's end (inside the window
         a kernel loads) and past the pool's end are never read: NaN there stays out of the
         result; length-0 runs write nothing wherever they point (here: into real data); a run
-        may start at the pool's first slot and end at its last."""
+        may read from the pool's first slot and up to its last."""
         rng = np.random.default_rng(1)
         slots = 8 * PAGE
         c = rng.standard_normal((2, slots, 8)).astype(np.float32)
         k = rng.standard_normal((2, slots, 4)).astype(np.float32)
-        runs = runs_of(
-            [0, 20, 56, 0, 5],
-            [80, slots - 12, 96, 20, 33],  # the last two: padding into sources and page 2
-            [9, 12, 8, 0, 0],
-            [0, 20, 56, 1, 2],
-            [6, 30, 50, 9, 9],
+        runs = runs_of(  # run 3 reads the pool's last slots: a loaded window would overrun
+            [0, 20, 56, slots - 3, 0, 5],
+            [80, slots - 16, 96, 104, 20, 33],  # the last two: padding into sources and page 2
+            [9, 12, 8, 3, 0, 0],
+            [0, 20, 56, slots - 3, 1, 2],
+            [6, 30, 50, 100, 9, 9],
         )
         live = np.zeros(slots, bool)
         for s, n in zip(runs.src, runs.length, strict=True):

@@ -17,7 +17,6 @@ copy bandwidth measured here (target >= 0.7 on the H200).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import statistics
 
@@ -70,10 +69,9 @@ def splice_all(pools, runs: Runs, inv_freq, table, *, impl):
         max_run=pools.page_size,
         impl=impl,
     )
-    return dataclasses.replace(
-        pools,
-        moved=tuple(x.reshape(o.shape) for x, o in zip(cs, pools.moved, strict=True)),
-        rotated=tuple(x.reshape(o.shape) for x, o in zip(ks, pools.rotated, strict=True)),
+    return pools.with_bands(
+        [x.reshape(o.shape) for x, o in zip(cs, pools.moved, strict=True)],
+        [x.reshape(o.shape) for x, o in zip(ks, pools.rotated, strict=True)],
     )
 
 

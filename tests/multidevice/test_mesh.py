@@ -178,3 +178,29 @@ def test_bad_mesh_arguments_are_clear_errors():
         ll.MeshConfig.create(model=0)
     with pytest.raises(ValueError, match="not a mesh axis"):
         ll.MeshConfig.create(model=2, rules={"expert": "experts"})
+    with pytest.raises(ValueError, match="not a logical axis"):
+        ll.MeshConfig.create(model=2, rules={"experts": "model"})
+    # rules given to the constructor keep the defaults they do not name
+    raw = ll.MeshConfig(jax.make_mesh((2, 4), ("data", "model")), {"expert": "data"})
+    assert raw.rules["heads"] == "model" and raw.rules["expert"] == "data"
+    grid = jax.make_mesh((2, 4), ("data", "model"))
+    with pytest.raises(ValueError, match="mesh must be a leyline_jax.sharding.MeshConfig"):
+        ll.init_state(
+            ll.MLAConfig.from_hf(TINY_HF_CONFIGS["deepseek_v2"]),
+            num_pages=8,
+            page_size=4,
+            max_seqs=1,
+            mesh=grid,
+        )
+
+
+def test_kernels_take_their_jnp_path_over_split_pools(models):
+    """A compiled Pallas kernel is one call XLA's partitioner cannot split: over pools split by
+    page the steps ask for the jnp path; over one device's pools, the backend's choice."""
+    one = models("deepseek_v2")
+    split = ll.init_state(one.config, mesh=ll.MeshConfig.create(2, 4), **POOL).pools
+    whole = ll.init_state(one.config, mesh=ll.MeshConfig.create(1, 8), **POOL).pools
+    plain = ll.init_state(one.config, **POOL).pools
+    assert split.kernel_impl(None) == "jnp"
+    assert whole.kernel_impl(None) is None and plain.kernel_impl(None) is None
+    assert split.kernel_impl("interpret") == "interpret"  # an explicit choice is kept
