@@ -32,51 +32,10 @@ import numpy as np
 
 from leyline_jax.loader import config_from_hf, hf_tensor_shapes
 
-# deepseek-ai/DeepSeek-V2-Lite's config.json (training-only fields left out)
-V2_LITE_CONFIG: dict[str, Any] = dict(
-    model_type="deepseek_v2",
-    architectures=["DeepseekV2ForCausalLM"],
-    vocab_size=102400,
-    hidden_size=2048,
-    intermediate_size=10944,
-    moe_intermediate_size=1408,
-    num_hidden_layers=27,
-    num_attention_heads=16,
-    num_key_value_heads=16,
-    n_shared_experts=2,
-    n_routed_experts=64,
-    num_experts_per_tok=6,
-    routed_scaling_factor=1.0,
-    kv_lora_rank=512,
-    q_lora_rank=None,
-    qk_rope_head_dim=64,
-    v_head_dim=128,
-    qk_nope_head_dim=128,
-    topk_method="greedy",
-    n_group=1,
-    topk_group=1,
-    scoring_func="softmax",
-    norm_topk_prob=False,
-    first_k_dense_replace=1,
-    moe_layer_freq=1,
-    hidden_act="silu",
-    max_position_embeddings=163840,
-    initializer_range=0.02,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-    attention_bias=False,
-    rope_theta=10000,
-    rope_scaling=dict(
-        type="yarn",
-        factor=40,
-        original_max_position_embeddings=4096,
-        beta_fast=32,
-        beta_slow=1,
-        mscale=0.707,
-        mscale_all_dim=0.707,
-    ),
-    bos_token_id=100000,
-    eos_token_id=100001,
+# deepseek-ai/DeepSeek-V2-Lite's config.json (training-only fields left out), as a file so that
+# the device suite (which imports no jax in its Hugging Face process) reads the same one
+V2_LITE_CONFIG: dict[str, Any] = json.loads(
+    (Path(__file__).parent / "v2_lite_config.json").read_text()
 )
 
 # name on the command line -> (safetensors dtype, bytes per value, config.json's dtype)

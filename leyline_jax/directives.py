@@ -194,16 +194,14 @@ def _pad(a: np.ndarray, size: int, fill: int) -> jnp.ndarray:
 
 
 @functools.partial(jax.jit, static_argnames="impl", donate_argnames="pools")
-def _splice_step(
-    pools: kv.KVPools, src, dst, pos_from, pos_to, inv_freq, table, length=None, *, impl
-):
+def _splice_step(pools: kv.KVPools, src, dst, pos_from, pos_to, inv_freq, table, length, *, impl):
     """Move + rotate the kept slots into their fresh pages (pure on the pools): runs i32[M]
-    each, `length` slots from `src` to `dst` at positions from `pos_from` to `pos_to` (None:
-    one slot each; 0: padding). Every layer's pools go through one `splice_rotate`, each still
+    each, `length` slots from `src` to `dst` at positions from `pos_from` to `pos_to` (length
+    0: padding). Every layer's pools go through one `splice_rotate`, each still
     its own buffer, moved in place, viewed as one row per slot: a slot holding several rows
     (GQA: one per KV head) is one row of several vectors, all rotated alike."""
     slots = pools.num_pages * pools.page_size
-    runs = Runs(src, dst, jnp.ones_like(src) if length is None else length, pos_from, pos_to)
+    runs = Runs(src, dst, length, pos_from, pos_to)
     cs, ks = splice_rotate(
         tuple(x.reshape(slots, -1) for x in pools.moved),
         tuple(x.reshape(slots, -1) for x in pools.rotated),

@@ -40,6 +40,7 @@ from leyline_jax.config import (
     read_hf_config,
 )
 from leyline_jax.model import CausalLM
+from leyline_jax.sharding import key_path
 
 # Above this many bytes (of params placed, or of tensors read) the loader shows a progress bar
 # (unless told otherwise).
@@ -349,7 +350,7 @@ def _place(leaf, want: jax.ShapeDtypeStruct, path, mesh) -> jax.Array:
     if mesh is None:
         sharding = None  # the default device, uncommitted (as `jnp.asarray` places)
     else:
-        sharding = mesh.param_sharding(tuple(str(k.key) for k in path), tuple(value.shape))
+        sharding = mesh.param_sharding(key_path(path), tuple(value.shape))
     return jax.device_put(value, sharding).block_until_ready()
 
 

@@ -154,11 +154,17 @@ class MeshConfig:
         return NamedSharding(self.mesh, PartitionSpec())
 
 
-def _key_str(key) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
+def key_path(path) -> tuple[str, ...]:
+    """A jax tree key path as `param_sharding` takes it: every key a string (dict keys, list
+    indices and attribute names alike)."""
+
+    def one(key) -> str:
+        for attr in ("key", "name", "idx"):
+            if hasattr(key, attr):
+                return str(getattr(key, attr))
+        return str(key)
+
+    return tuple(one(k) for k in path)
 
 
 def shard_model(model, mesh: MeshConfig):
@@ -167,11 +173,10 @@ def shard_model(model, mesh: MeshConfig):
     pure = nnx.to_pure_dict(state)
 
     def place(path, leaf):
-        keys = tuple(_key_str(k) for k in path)
-        return jax.device_put(leaf, mesh.param_sharding(keys, leaf.shape))
+        return jax.device_put(leaf, mesh.param_sharding(key_path(path), leaf.shape))
 
     nnx.replace_by_pure_dict(state, jax.tree_util.tree_map_with_path(place, pure))
     return nnx.merge(graphdef, state)
 
 
-__all__ = ["DEFAULT_RULES", "MESH_AXES", "MeshConfig", "param_axes", "shard_model"]
+__all__ = ["DEFAULT_RULES", "MESH_AXES", "MeshConfig", "key_path", "param_axes", "shard_model"]

@@ -322,7 +322,10 @@ def _splice_bytes(model, num_pages: int) -> tuple[int, int]:
     idx = jnp.arange(64, dtype=jnp.int32)
     inv = jnp.asarray(_inv_freq(model.config))
     table = dv._phases(model.config, 256)
-    lowered = dv._splice_step.lower(state.pools, idx, idx + 64, idx, idx + 1, inv, table, impl=None)
+    ones = jnp.ones_like(idx)
+    lowered = dv._splice_step.lower(
+        state.pools, idx, idx + 64, idx, idx + 1, inv, table, ones, impl=None
+    )
     return _unaliased_bytes(lowered.compile())
 
 

@@ -7,52 +7,13 @@ config and lengths from one place.
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
-# DeepSeek-V2-Lite's config.json (15.7B parameters, 2.4B active): the shapes the suite measures.
-V2_LITE_HF = dict(
-    model_type="deepseek_v2",
-    architectures=["DeepseekV2ForCausalLM"],
-    vocab_size=102400,
-    hidden_size=2048,
-    intermediate_size=10944,
-    moe_intermediate_size=1408,
-    num_hidden_layers=27,
-    num_attention_heads=16,
-    num_key_value_heads=16,
-    n_routed_experts=64,
-    n_shared_experts=2,
-    num_experts_per_tok=6,
-    first_k_dense_replace=1,
-    moe_layer_freq=1,
-    topk_method="greedy",
-    n_group=1,
-    topk_group=1,
-    norm_topk_prob=False,
-    routed_scaling_factor=1.0,
-    scoring_func="softmax",
-    kv_lora_rank=512,
-    q_lora_rank=None,
-    qk_nope_head_dim=128,
-    qk_rope_head_dim=64,
-    v_head_dim=128,
-    hidden_act="silu",
-    attention_bias=False,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-    initializer_range=0.02,
-    max_position_embeddings=163840,
-    rope_theta=10000.0,
-    rope_scaling=dict(
-        type="yarn",
-        factor=40.0,
-        original_max_position_embeddings=4096,
-        beta_fast=32,
-        beta_slow=1,
-        mscale=0.707,
-        mscale_all_dim=0.707,
-    ),
-    bos_token_id=100000,
-    eos_token_id=100001,
+# DeepSeek-V2-Lite's config.json (15.7B parameters, 2.4B active): the shapes the suite measures,
+# read from the file `checkpoints.random_hf` reads (no import: that package imports jax)
+V2_LITE_HF = json.loads(
+    (Path(__file__).resolve().parents[2] / "checkpoints" / "v2_lite_config.json").read_text()
 )
 
 # The same architecture at toy size: every code path of the full config (a dense first layer,
