@@ -2,7 +2,7 @@
 
 The functional core: configuration, RoPE, the Flax decoder (MLA families; the GQA family in
 `leyline_jax.gqa`) and its Hugging Face / GGUF loader, the paged KV state, paged
-prefill/decode, and directives (AMORTIZE / FORGET).
+prefill/decode, and directives (AMORTIZE, FORGET, DECAY, MOVE).
 
 Dimension letters used in shape comments across the package:
     B batch (sequences)    T query tokens       S key slots          P pages
@@ -18,10 +18,12 @@ from leyline_jax.directives import (
     Directive,
     DirectiveError,
     Mode,
+    Source,
     apply_directive,
     apply_directives,
 )
 from leyline_jax.gqa import GQAConfig
+from leyline_jax.importance import decay_selection
 from leyline_jax.kv_state import (
     OutOfPagesError,
     PagedKVState,
@@ -45,6 +47,8 @@ __all__ = [
     "DirectiveError",
     "Mode",
     "MLAConfig",
+    "Source",
+    "decay_selection",
     "MLAModel",
     "MeshConfig",
     "OutOfPagesError",

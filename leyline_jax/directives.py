@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from leyline_jax import importance, paged
 from leyline_jax import kv_state as kv
-from leyline_jax import paged
 from leyline_jax.kv_state import OutOfPagesError, PagedKVState, SequenceError
 from leyline_jax.model import CausalLM
 from pallas_kernels.dispatch import resolve
@@ -41,57 +41,151 @@ class DirectiveError(ValueError):
 class Mode(enum.Enum):
     AMORTIZE = "amortize"  # splice in place: downstream keeps its moved band, rotated band by delta
     FORGET = "forget"  # truncate at start and re-prefill replacement + tokens[end:]
+    DECAY = "decay"  # AMORTIZE keeping the span's `budget` most-attended tokens ahead of it
+    MOVE = "move"  # AMORTIZE whose replacement's `sources` are moved from the sequence's slots
+
+
+SPLICED = (Mode.AMORTIZE, Mode.MOVE)  # the modes a splice applies (DECAY resolves to MOVE)
+
+
+def _is_int(v) -> bool:
+    return not isinstance(v, bool) and isinstance(v, (int, np.integer))
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """`replacement[offset:offset + length]` is `tokens[position:position + length]` of the
+    sequence (pre-batch coordinates): MOVE copies that KV, rotated to its new position,
+    instead of prefilling it.
+
+    With `pages`, the KV is read from those pages instead of the sequence's own: pages[k]
+    holds positions (position // page_size + k) * page_size onwards, cached by a fresh
+    prefill of their path (the engine passes clean radix-cache pages whose tokens it matched;
+    the caller vouches for the tokens, which the state does not record for such pages)."""
+
+    offset: int
+    position: int
+    length: int
+    pages: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        for name in ("offset", "position", "length"):
+            v = getattr(self, name)
+            if not _is_int(v):
+                raise DirectiveError(f"source {name} must be an int, got {v!r}")
+            object.__setattr__(self, name, int(v))
+        if self.offset < 0 or self.position < 0 or self.length < 1:
+            raise DirectiveError(f"source {self} needs offset >= 0, position >= 0 and length >= 1")
+        try:
+            pages = tuple(self.pages)
+        except TypeError as e:
+            raise DirectiveError(f"source pages must be a sequence of page ids: {e}") from e
+        if any(not _is_int(p) or p < 0 for p in pages):
+            raise DirectiveError(f"source pages must be page ids, got {pages!r}")
+        object.__setattr__(self, "pages", tuple(int(p) for p in pages))
 
 
 @dataclasses.dataclass(frozen=True)
 class Directive:
-    """Replace tokens [start, end) of a sequence by `replacement`."""
+    """Replace tokens [start, end) of a sequence by `replacement`.
+
+    DECAY needs `budget` (how many of the span's tokens to keep); MOVE needs `sources` (which
+    parts of the replacement come from the sequence's own KV). `override_pin`: the directive
+    may cut into a span its session pinned (checked by the engine, which owns pins)."""
 
     start: int
     end: int
     replacement: tuple[int, ...] = ()
     mode: Mode = Mode.AMORTIZE
+    budget: int | None = None
+    sources: tuple[Source, ...] = ()
+    override_pin: bool = False
 
     def __post_init__(self):
         for name in ("start", "end"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            if not _is_int(v):
                 raise DirectiveError(f"{name} must be an int, got {v!r}")
         try:
             rep = tuple(self.replacement)
         except TypeError as e:
             raise DirectiveError(f"replacement must be a sequence of token ids: {e}") from e
         for t in rep:
-            if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+            if not _is_int(t):
                 raise DirectiveError(f"replacement token {t!r} is not an int")
         object.__setattr__(self, "replacement", tuple(int(t) for t in rep))
         object.__setattr__(self, "start", int(self.start))
         object.__setattr__(self, "end", int(self.end))
         if not isinstance(self.mode, Mode):
-            raise DirectiveError(f"unknown mode {self.mode!r}: use Mode.AMORTIZE or Mode.FORGET")
+            raise DirectiveError(
+                f"unknown mode {self.mode!r}: use Mode.AMORTIZE, FORGET, DECAY or MOVE"
+            )
+        if not isinstance(self.override_pin, bool):
+            raise DirectiveError(f"override_pin must be a bool, got {self.override_pin!r}")
+        if self.mode is Mode.DECAY:
+            if not _is_int(self.budget) or self.budget < 0:
+                raise DirectiveError(f"DECAY needs budget >= 0 (an int), got {self.budget!r}")
+            object.__setattr__(self, "budget", int(self.budget))
+        elif self.budget is not None:
+            raise DirectiveError(f"budget is DECAY's; a {self.mode.name} directive has none")
+        try:
+            srcs = tuple(self.sources)
+        except TypeError as e:
+            raise DirectiveError(f"sources must be a sequence of Source: {e}") from e
+        if any(not isinstance(x, Source) for x in srcs):
+            raise DirectiveError(f"sources must be Source items, got {srcs!r}")
+        object.__setattr__(self, "sources", srcs)
+        if (self.mode is Mode.MOVE) != bool(srcs):
+            raise DirectiveError(
+                "a MOVE directive needs sources, and only a MOVE directive has them"
+            )
+        covered = 0
+        for x in srcs:
+            if x.offset < covered or x.offset + x.length > len(rep):
+                raise DirectiveError(
+                    f"source {x} overlaps another or leaves the replacement of {len(rep)} tokens "
+                    "(sources go left to right, inside the replacement)"
+                )
+            covered = x.offset + x.length
 
     @property
     def delta(self) -> int:
-        """Δ = len(replacement) - (end - start)."""
+        """Δ = len(replacement) - (end - start) (DECAY: once resolved, see `resolve_decay`)."""
         return len(self.replacement) - (self.end - self.start)
 
     @property
     def is_noop(self) -> bool:
-        return self.start == self.end and not self.replacement
+        return self.start == self.end and not self.replacement and self.mode is not Mode.DECAY
+
+    @property
+    def moved(self) -> int:
+        """Tokens of the replacement whose KV is moved (MOVE), not prefilled."""
+        return sum(x.length for x in self.sources)
 
 
 def apply_to_list(tokens: Sequence[int], directives: Sequence[Directive]) -> list[int]:
     """The edited token list of a valid batch: the semantics in plain Python. No-ops are
-    skipped (validation allows one inside another directive's span)."""
+    skipped (validation allows one inside another directive's span). A DECAY's text depends on
+    what it keeps: resolve it first (`resolve_decay`)."""
     out, cursor = [], 0
     for d in sorted((d for d in directives if not d.is_noop), key=lambda d: (d.start, d.end)):
+        if d.mode is Mode.DECAY:
+            raise DirectiveError("a DECAY directive's text is known once resolved: resolve_decay")
         out += list(tokens[cursor : d.start]) + list(d.replacement)
         cursor = d.end
     return out + list(tokens[cursor:])
 
 
-def validate(directives: Sequence[Directive], length: int, vocab_size: int) -> list[Directive]:
-    """Check a batch against a sequence of `length` tokens; return it sorted, no-ops dropped."""
+def validate(
+    directives: Sequence[Directive],
+    length: int,
+    vocab_size: int,
+    tokens: Sequence[int] | None = None,
+) -> list[Directive]:
+    """Check a batch against a sequence of `length` tokens; return it sorted, no-ops dropped.
+    With `tokens` (the sequence), MOVE sources are checked against it too: in range, holding
+    the replacement's tokens, and before the batch's first FORGET (KV from there on was
+    computed with tokens the FORGET evicts)."""
     ds = list(directives)
     for d in ds:
         if not isinstance(d, Directive):
@@ -111,7 +205,44 @@ def validate(directives: Sequence[Directive], length: int, vocab_size: int) -> l
                 f"directives [{a.start}, {a.end}) and [{b.start}, {b.end}) overlap (two edits "
                 "at one start are ambiguous: merge them)"
             )
+    if tokens is not None:
+        forget = min([d.start for d in ds if d.mode is Mode.FORGET], default=length)
+        for d in ds:
+            for x in d.sources:
+                if x.pages:
+                    continue  # another cache's pages: checked against the pool by the caller
+                src = list(tokens[x.position : x.position + x.length])
+                if x.position + x.length > min(forget, length):
+                    raise DirectiveError(
+                        f"source {x} reaches past the sequence's {length} tokens or its first "
+                        f"FORGET at {forget} (KV computed with evicted tokens never moves)"
+                    )
+                if src != list(d.replacement[x.offset : x.offset + x.length]):
+                    raise DirectiveError(
+                        f"source {x}: tokens[{x.position}:{x.position + x.length}] differ from "
+                        f"the replacement's [{x.offset}:{x.offset + x.length}]"
+                    )
     return ds
+
+
+def resolve_decay(d: Directive, kept: Sequence[int], tokens: Sequence[int]) -> Directive:
+    """The MOVE (or, keeping nothing, AMORTIZE) directive a DECAY becomes once `kept`, the
+    sorted positions of its span it keeps, are chosen: text `tokens[:start] + kept tokens +
+    replacement + tokens[end:]`, the kept tokens' KV moved from their slots."""
+    kept = [int(p) for p in kept]
+    if any(not d.start <= p < d.end for p in kept) or kept != sorted(set(kept)):
+        raise DirectiveError(f"kept positions {kept} are not sorted, distinct, in the span")
+    sources, offset = [], 0
+    for p in kept:
+        if sources and sources[-1].position + sources[-1].length == p:
+            last = sources[-1]
+            sources[-1] = Source(last.offset, last.position, last.length + 1)
+        else:
+            sources.append(Source(offset, p, 1))
+        offset += 1
+    rep = tuple(int(tokens[p]) for p in kept) + d.replacement
+    mode = Mode.MOVE if sources else Mode.AMORTIZE
+    return Directive(d.start, d.end, rep, mode, sources=tuple(sources), override_pin=d.override_pin)
 
 
 # ---- AMORTIZE planning (host) ---------------------------------------------------------------
@@ -123,25 +254,26 @@ class SplicePlan:
     page_row: np.ndarray  # i32[max_pages] the sequence's new page-table row (P = unused)
     fresh: np.ndarray  # i32[F] pages taken from the pool
     released: np.ndarray  # i32[R] pages the sequence no longer references
-    src: np.ndarray  # i32[M] moved slots: old slot
+    src: np.ndarray  # i32[M] moved slots (kept downstream, then MOVE sources): old slot
     dst: np.ndarray  # i32[M] new slot
     pos_from: np.ndarray  # i32[M] old position
     pos_to: np.ndarray  # i32[M] new position
     runs: Runs  # the same moves as runs of consecutive slots (at most a page each)
-    fills: list[tuple[int, tuple[int, ...]]]  # (new start, replacement) left to right
+    fills: list[tuple[int, tuple[int, ...]]]  # (new start, tokens to prefill) left to right
 
 
 def plan_splice(
     tokens: Sequence[int],
     page_row: np.ndarray,  # i32[max_pages] current row
-    directives: Sequence[Directive],  # validated, sorted, AMORTIZE
+    directives: Sequence[Directive],  # validated, sorted, AMORTIZE or MOVE
     page_size: int,
     free_pages: np.ndarray,  # i32[...] free page ids, lowest first
     num_pages: int,
 ) -> SplicePlan:
     """Pages from the one holding the first edited token onwards are rebuilt in fresh pages:
-    kept tokens move there (rotated by their shift), replacements are prefilled there; the
-    prefix pages before it are untouched. Raises OutOfPagesError if the pool is short."""
+    kept tokens move there (rotated by their shift), so do MOVE sources (copied from wherever
+    they are, rotated to their new position), the rest of each replacement is prefilled there;
+    the prefix pages before it are untouched. Raises OutOfPagesError if the pool is short."""
     n, ps = len(tokens), page_size
     new_tokens = apply_to_list(tokens, directives)
     first_page = directives[0].start // ps
@@ -166,11 +298,26 @@ def plan_splice(
     i = i[~deleted]
     shift = cum[np.searchsorted(ends, i, side="right")]  # sum of deltas of edits before i
     j = i + shift
-    src = page_row[i // ps] * ps + i % ps
+    # MOVE sources join the moved rows: old slot -> new slot
+    fills, mi, mj, out_src = [], [i], [j], [page_row[i // ps] * ps + i % ps]
+    for q, d in enumerate(directives):
+        at, cursor = d.start + int(cum[q]), 0  # the replacement's new start
+        for x in d.sources:
+            if x.offset > cursor:
+                fills.append((at + cursor, d.replacement[cursor : x.offset]))
+            pos = x.position + np.arange(x.length)
+            mi.append(pos)
+            mj.append(at + x.offset + np.arange(x.length))
+            if x.pages:  # another cache's pages
+                out_src.append(np.asarray(x.pages)[pos // ps - x.position // ps] * ps + pos % ps)
+            else:
+                out_src.append(page_row[pos // ps] * ps + pos % ps)
+            cursor = x.offset + x.length
+        if cursor < len(d.replacement):
+            fills.append((at + cursor, d.replacement[cursor:]))
+    i, j = np.concatenate(mi).astype(np.int64), np.concatenate(mj).astype(np.int64)
+    src = np.concatenate(out_src).astype(np.int64)
     dst = row[j // ps] * ps + j % ps
-    fills = [
-        (d.start + int(cum[q]), d.replacement) for q, d in enumerate(directives) if d.replacement
-    ]
     src, dst, i, j = (a.astype(np.int32) for a in (src, dst, i, j))
     return SplicePlan(
         new_tokens=new_tokens,
@@ -336,9 +483,59 @@ class Applied:
     """What `apply_directives` did, in tokens of the edited sequence (they sum to `length`)."""
 
     reused: int  # kept in place: the tokens before the first edit
-    spliced: int  # kept and moved by AMORTIZE: c_kv bit-exact, k_pe rotated
+    spliced: int  # kept and moved by a splice: c_kv bit-exact, k_pe rotated (MOVE's included)
     prefilled: int  # run through the model: spliced-in replacements and FORGET's re-prefill
     length: int  # the edited sequence's length
+    moved: int = 0  # of `spliced`, the replacements' tokens MOVE (and DECAY) copied
+    kept: tuple[int, ...] = ()  # DECAY: the positions it kept (pre-batch coordinates)
+
+
+def _check_source_pages(state: PagedKVState, seq: int, ds: Sequence[Directive]) -> None:
+    """MOVE sources in other pages: in use, as many as their positions need, and none that
+    the batch's FORGET truncation releases or zeroes (the sequence's own pages from the one
+    holding the first FORGET start on, which it reads past the cut)."""
+    ps = state.page_size
+    forget = [d.start for d in ds if d.mode is Mode.FORGET]
+    n = int(state.lengths[seq])
+    cut_pages = set(state.page_table[seq, forget[0] // ps : -(-n // ps)].tolist()) if forget else ()
+    for d in ds:
+        for x in d.sources:
+            if not x.pages:
+                continue
+            need = (x.position + x.length - 1) // ps - x.position // ps + 1
+            if len(x.pages) < need or any(
+                p >= state.num_pages or state.refcount[p] == 0 for p in x.pages
+            ):
+                raise DirectiveError(
+                    f"source {x} needs {need} pages in use of the {state.num_pages}"
+                )
+            if any(p in cut_pages for p in x.pages):
+                raise DirectiveError(
+                    f"source {x} reads pages the batch's FORGET truncates (KV computed with "
+                    "evicted tokens never moves)"
+                )
+
+
+def resolve_decays(
+    model: CausalLM, state: PagedKVState, seq: int, directives: Sequence[Directive]
+) -> tuple[list[Directive], tuple[int, ...]]:
+    """A validated batch with every DECAY resolved (`resolve_decay`): its kept tokens chosen
+    by `leyline_jax.importance` from `seq`'s KV as it is now. A DECAY at or after the batch's
+    first FORGET start keeps the same tokens as text (AMORTIZE: everything from the FORGET on
+    is prefilled again anyway). Returns (batch, kept positions)."""
+    out, kept = [], []
+    tokens = None
+    cut = min([d.start for d in directives if d.mode is Mode.FORGET], default=None)
+    for d in directives:
+        if d.mode is Mode.DECAY:
+            tokens = kv.tokens(state, seq) if tokens is None else tokens
+            k = importance.decay_selection(model, state, seq, d.start, d.end, d.budget)
+            kept += k
+            d = resolve_decay(d, k, tokens)
+            if cut is not None and d.start >= cut:
+                d = Directive(d.start, d.end, d.replacement, override_pin=d.override_pin)
+        out.append(d)
+    return out, tuple(kept)
 
 
 def apply_directives(
@@ -352,8 +549,9 @@ def apply_directives(
 ) -> PagedKVState | tuple[PagedKVState, Applied]:
     """Apply an atomic batch of non-overlapping directives (pre-batch coordinates) to `seq`.
 
-    AMORTIZE edits are spliced; if any directive is FORGET, everything from the first FORGET
-    start is dropped and re-prefilled (AMORTIZE edits before it are still spliced). Raises
+    AMORTIZE and MOVE edits are spliced; a DECAY is first resolved into a MOVE of the tokens it
+    keeps (`resolve_decays`); if any directive is FORGET, everything from the first FORGET
+    start is dropped and re-prefilled (edits before it are still spliced). Raises
     `DirectiveError` (invalid input) or `OutOfPagesError` before anything changes. Donates
     `state`. `impl` picks the splice implementation (see `pallas_kernels.splice_rotate`).
     With `report=True` returns `(state, Applied)`: how many tokens were reused, spliced and
@@ -364,10 +562,13 @@ def apply_directives(
     except SequenceError as e:
         raise DirectiveError(str(e)) from e
     length = int(state.lengths[seq])
-    ds = validate(directives, length, model.config.vocab_size)
+    tokens = kv.tokens(state, seq)
+    ds = validate(directives, length, model.config.vocab_size, tokens)
     if not ds:
         return (state, Applied(length, 0, 0, length)) if report else state
-    tokens = kv.tokens(state, seq)
+    ds, kept = resolve_decays(model, state, seq, ds)
+    ds = validate(ds, length, model.config.vocab_size, tokens)
+    _check_source_pages(state, seq, ds)
     new_tokens = apply_to_list(tokens, ds)
     if len(new_tokens) > state.max_seq_len:
         raise DirectiveError(
@@ -376,9 +577,11 @@ def apply_directives(
         )
     if len(new_tokens) == 0:
         raise DirectiveError("the edit would leave the sequence empty: free it instead")
+    if not ds:  # a DECAY that kept nothing of an empty span
+        return (state, Applied(length, 0, 0, length)) if report else state
     forget = [d for d in ds if d.mode is Mode.FORGET]
     cut = forget[0].start if forget else length
-    spliced = [d for d in ds if d.end <= cut and d.mode is Mode.AMORTIZE]
+    spliced = [d for d in ds if d.end <= cut and d.mode in SPLICED]
     cut_new = cut + sum(d.delta for d in spliced)
     tail = new_tokens[cut_new:] if forget else []
     _check_budget(state, seq, length, cut, spliced, cut_new, len(tail))
@@ -394,8 +597,10 @@ def apply_directives(
     if not report:
         return state
     reused = ds[0].start
-    moved = (cut - reused) - sum(d.end - d.start for d in spliced)
-    return state, Applied(reused, moved, len(new_tokens) - reused - moved, len(new_tokens))
+    moved = sum(d.moved for d in spliced)
+    kept_down = (cut - reused) - sum(d.end - d.start for d in spliced)
+    spl = kept_down + moved
+    return state, Applied(reused, spl, len(new_tokens) - reused - spl, len(new_tokens), moved, kept)
 
 
 def apply_directive(
@@ -443,6 +648,9 @@ __all__ = [
     "Directive",
     "DirectiveError",
     "Mode",
+    "Source",
+    "resolve_decay",
+    "resolve_decays",
     "apply_directive",
     "apply_directives",
     "apply_to_list",

@@ -164,16 +164,18 @@ def _inv_freq(config: GQAConfig) -> np.ndarray:
     return config.rope_inv_freq()
 
 
-def gqa_attention(q, k, v, mask, scale: float):
+def gqa_attention(q, k, v, mask, scale: float, *, mass: bool = False):
     """[T, N, D] queries over [S, G, D] keys and values (query head n reads KV head
-    n // (N / G)); bool[T, S] mask -> [T, N, D]. Scores and softmax in fp32."""
+    n // (N / G)); bool[T, S] mask -> [T, N, D]. Scores and softmax in fp32. With `mass=True`
+    also returns f32[T, S], each query's attention per slot summed over heads."""
     t, n, d = q.shape
     g = k.shape[1]
     qg = q.reshape(t, g, n // g, d)
     s = jnp.einsum("tgnd,sgd->gnts", qg, k, preferred_element_type=jnp.float32) * scale
     s = jnp.where(mask[None, None], s, -jnp.inf)
-    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
-    return jnp.einsum("gnts,sgd->tgnd", p, v).reshape(t, n, d)
+    p32 = jax.nn.softmax(s, axis=-1)
+    out = jnp.einsum("gnts,sgd->tgnd", p32.astype(v.dtype), v).reshape(t, n, d)
+    return (out, p32.sum((0, 1))) if mass else out
 
 
 class GQAAttention(nnx.Module):
@@ -219,6 +221,14 @@ class GQAAttention(nnx.Module):
             impl=pools.kernel_impl(None),
         )
         return self.output(out.astype(x.dtype)), pools
+
+    def probe(self, x, positions, pools: kv.KVPools, layer: int, ctx_slots, mask):
+        """Attention of cached tokens over a sequence's cached slots, writing nothing (same
+        contract as `MLAAttention.probe`)."""
+        q, _, _ = self.qkv(x, positions)
+        v, k = kv.gather_slots(pools, layer, ctx_slots)
+        o, mass = gqa_attention(q, k, v, mask, self.config.softmax_scale, mass=True)
+        return self.output(o.astype(x.dtype)), mass
 
     def __call__(self, x, positions):
         """Causal self-attention over one whole sequence: [T, H], i32[T] -> [T, H]."""

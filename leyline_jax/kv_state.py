@@ -488,6 +488,16 @@ def write_kv(
     )
 
 
+def gather_slots(pools: KVPools, layer: int, slots) -> tuple[jax.Array, jax.Array]:
+    """Layer `layer`'s two bands at `slots` (i32[S]) as values: (moved [S, ...], rotated)."""
+    ps = pools.page_size
+    page, off = slots // ps, slots % ps
+    return (
+        from_storage(pools.moved[layer][page, off], pools.moved_dtype),
+        from_storage(pools.rotated[layer][page, off], pools.rotated_dtype),
+    )
+
+
 # ---- host views -------------------------------------------------------------------------------
 def tokens(state: PagedKVState, seq: int) -> list[int]:
     """The token ids of sequence `seq` as it is now."""

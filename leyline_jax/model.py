@@ -75,12 +75,15 @@ def mla_attention(
     scale: float,
     *,
     absorbed: bool = False,
-) -> jnp.ndarray:  # [T, N, Dv]
+    mass: bool = False,
+):  # [T, N, Dv] (and f32[T, S] with mass=True)
     """Multi-head latent attention over a latent cache.
 
     absorbed=False expands K_nope and V per head (cheaper when T is close to S: prefill);
     absorbed=True multiplies queries into the latent space and never materialises per-head K/V
-    (cheaper when T << S: decode). The two are the same function up to rounding.
+    (cheaper when T << S: decode). The two are the same function up to rounding. With
+    `mass=True` also returns the attention each query gave each slot, summed over heads
+    (DECAY's importance, `leyline_jax.importance`).
     """
     f32 = jnp.float32
     if absorbed:
@@ -91,12 +94,15 @@ def mla_attention(
         scores = jnp.einsum("tnd,snd->nts", q_nope, k_nope, preferred_element_type=f32)
     scores = scores + jnp.einsum("tnd,sd->nts", q_pe, k_pe, preferred_element_type=f32)
     scores = jnp.where(mask[None], scores * scale, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(q_nope.dtype)
+    p32 = jax.nn.softmax(scores, axis=-1)
+    probs = p32.astype(q_nope.dtype)
     if absorbed:
         out_lat = jnp.einsum("nts,sr->tnr", probs, c_kv)
-        return expand_values(out_lat, w_vb)
-    v = jnp.einsum("sr,nrd->snd", c_kv, w_vb)
-    return jnp.einsum("nts,snd->tnd", probs, v)
+        out = expand_values(out_lat, w_vb)
+    else:
+        v = jnp.einsum("sr,nrd->snd", c_kv, w_vb)
+        out = jnp.einsum("nts,snd->tnd", probs, v)
+    return (out, p32.sum(0)) if mass else out
 
 
 def route(
@@ -404,6 +410,28 @@ class MLAAttention(nnx.Module):
             impl=pools.kernel_impl(None),
         )
         return self.output(expand_values(out.astype(x.dtype), w_vb)), pools
+
+    def probe(self, x, positions, pools: kv.KVPools, layer: int, ctx_slots, mask):
+        """Attention of [T, H] tokens already cached (their KV is among `ctx_slots`) over a
+        sequence's cached slots i32[S] (bool[T, S] `mask`), read from layer `layer`'s pools and
+        written nowhere: ([T, H], f32[T, S] each query's attention per slot, summed over heads).
+        Absorbed form,
+        as the paged step attends."""
+        q_nope, q_pe = self.queries(x, positions)
+        c = kv.gather_slots(pools, layer, ctx_slots)
+        w_kb, w_vb = self.kv_up()
+        o, mass = mla_attention(
+            q_nope,
+            q_pe,
+            *c,
+            w_kb,
+            w_vb,
+            mask,
+            self.config.softmax_scale,
+            absorbed=True,
+            mass=True,
+        )
+        return self.output(o.astype(x.dtype)), mass
 
     def __call__(self, x, positions):
         """Causal self-attention over one whole sequence: [T, H], i32[T] -> [T, H]."""

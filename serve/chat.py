@@ -36,6 +36,19 @@ vocabulary); tool schemas are a `## Tools` section (DeepSeek's per-tool entries,
 call a tool in the `<tool_call>` form) appended to the content of the last leading system
 message (or of the default one), inside that message's span, after its content.
 
+Reasoning (DeepSeek-R1 / deepseek-reasoner): an assistant message may carry the reasoning its
+model produced before answering, in `reasoning_content` (the DeepSeek API's field). As R1's
+template does, `render` never re-sends it: the history holds each reply's content and tool calls
+only. `render_reply(tokenizer, message)` gives what the model generated for that message: the
+reasoning block `<think>\n{reasoning}\n</think>\n\n` (the same text in both formats; DeepSeek's
+vocabulary has `<think>` and `</think>` as tokens, SmolLM2's spells them in text), then the pieces
+`render` places after the assistant message's head, through its end. The generation prompt is
+that head (`ChatFormat.reply_head`), so `render(M).tokens` + the reply without its reasoning
+block is exactly the start of `render(M + [reply], add_generation_prompt=False).tokens`: a
+reasoning block spliced out of a session (SCRATCH) leaves the tokens the next request re-sends.
+One exception, ChatML only: M empty and no tool schemas (the default system message comes with
+a first message or the schemas: `render([A])` opens with it, `render([])` has none).
+
 Against the GGUF's own template (one string, tokenized at once), per-piece encoding differs
 only where the byte-level pre-tokenizer would merge across a piece boundary: a message content
 that starts with two or more whitespace characters (e.g. "\\n\\n..."), where the template's
@@ -62,6 +75,7 @@ OUTPUT_BEGIN, OUTPUT_END = "<｜tool▁output▁begin｜>", "<｜tool▁output�
 TOOL_SEP = "<｜tool▁sep｜>"
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 SMOLLM2_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 # Piece kinds: a special token, plain text, the message's own content, the tool schemas.
@@ -83,6 +97,24 @@ class Rendered:
     tokens: list[int]
     spans: list[MessageSpan]
     tools: tuple[int, int] | None = None  # span of the rendered tool schemas, if any
+
+
+@dataclasses.dataclass(frozen=True)
+class Reply:
+    """The token ids a model generated for an assistant message (`render_reply`), in the
+    tokenizer's format: the reasoning block, if any, then the content and tool calls through the
+    message's end. `reasoning`: the whole reasoning block's span, markers included."""
+
+    tokens: list[int]
+    reasoning: tuple[int, int] | None = None
+
+    @property
+    def without_reasoning(self) -> list[int]:
+        """The reply as the history re-sends it (`render`): its reasoning block removed."""
+        if self.reasoning is None:
+            return list(self.tokens)
+        r0, r1 = self.reasoning
+        return self.tokens[:r0] + self.tokens[r1:]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +180,19 @@ class ChatFormat:
         """Pieces that follow an assistant reply's `stop` token before the next message."""
         return []
 
+    def reply_head(self) -> list[tuple[str, str]]:
+        """An assistant message's head: what the generation prompt places, too."""
+        raise NotImplementedError
+
+    def reply_body(self, m) -> list[tuple[str, str]]:
+        """An assistant message's pieces after its head: content, tool calls, stop token and
+        `close_reply`'s pieces."""
+        raise NotImplementedError
+
+    def reasoning_pieces(self, reasoning: str) -> list[tuple[str, str]]:
+        """A reasoning block, as the model writes it before its reply's content."""
+        return [(f"{THINK_OPEN}\n", TEXT), (reasoning, TEXT), (f"\n{THINK_CLOSE}\n\n", TEXT)]
+
     def _check_role(self, i: int, role) -> None:
         if role not in self.roles:
             raise ValueError(f"message {i}: unknown role {role!r}")
@@ -164,6 +209,13 @@ class DeepSeekFormat(ChatFormat):
     def tools_text(self, tools) -> str:
         return tools_text(tools)
 
+    def reply_head(self):
+        return [(ASSISTANT, SPECIAL)]
+
+    def reply_body(self, m):
+        calls = self._tool_calls(m["tool_calls"]) if m.get("tool_calls") else []
+        return [(_content(m), CONTENT), *calls, (EOS, SPECIAL), *self.close_reply()]
+
     def blocks(self, messages, tools, add_generation_prompt):
         yield Block(None, None, [(BOS, SPECIAL)])
         n_system = _leading_system(messages)
@@ -173,14 +225,13 @@ class DeepSeekFormat(ChatFormat):
                 yield tools_block
             role = m.get("role")
             self._check_role(i, role)
+            if role == "assistant":
+                yield Block(i, role, [*self.reply_head(), *self.reply_body(m)])
+                continue
             if role == "system":
                 head, tail = [], []
             elif role == "user":
                 head, tail = [(USER, SPECIAL)], []
-            elif role == "assistant":
-                head = [(ASSISTANT, SPECIAL)]
-                tail = self._tool_calls(m["tool_calls"]) if m.get("tool_calls") else []
-                tail.append((EOS, SPECIAL))
             else:  # tool
                 head = [(OUTPUTS_BEGIN, SPECIAL), (OUTPUT_BEGIN, SPECIAL)]
                 tail = [(OUTPUT_END, SPECIAL), (OUTPUTS_END, SPECIAL)]
@@ -188,7 +239,7 @@ class DeepSeekFormat(ChatFormat):
         if tools_block and n_system == len(messages):  # only system messages (or none)
             yield tools_block
         if add_generation_prompt:
-            yield Block(None, None, [(ASSISTANT, SPECIAL)])
+            yield Block(None, None, self.reply_head())
 
     @staticmethod
     def _tool_calls(calls) -> list[tuple[str, str]]:
@@ -228,32 +279,36 @@ class ChatMLFormat(ChatFormat):
     def close_reply(self):
         return [("\n", TEXT)]
 
+    def reply_head(self):
+        return self._head("assistant")
+
+    def reply_body(self, m):
+        calls = self._tool_calls(m) if m.get("tool_calls") else []
+        return self._body(_content(m), calls, [])
+
     def blocks(self, messages, tools, add_generation_prompt):
         n_system = _leading_system(messages)
         schemas = [(self.tools_text(tools), TOOLS)] if tools else []
         if n_system == 0 and (tools or (messages and self.default_system is not None)):
             system = self.default_system or ""
-            yield Block(None, "system", self._wrap("system", system, [], schemas))
+            yield Block(None, "system", [*self._head("system"), *self._body(system, [], schemas)])
         for i, m in enumerate(messages):
             role = m.get("role")
             self._check_role(i, role)
-            calls = self._tool_calls(m) if role == "assistant" and m.get("tool_calls") else []
+            if role == "assistant":
+                yield Block(i, role, [*self.reply_head(), *self.reply_body(m)])
+                continue
             after = schemas if i == n_system - 1 else []
-            yield Block(i, role, self._wrap(role, _content(m), calls, after))
+            yield Block(i, role, [*self._head(role), *self._body(_content(m), [], after)])
         if add_generation_prompt:
-            yield Block(None, None, [(IM_START, SPECIAL), ("assistant\n", TEXT)])
+            yield Block(None, None, self.reply_head())
 
     @staticmethod
-    def _wrap(role, content, calls, after):
-        return [
-            (IM_START, SPECIAL),
-            (f"{role}\n", TEXT),
-            (content, CONTENT),
-            *calls,
-            *after,
-            (IM_END, SPECIAL),
-            ("\n", TEXT),
-        ]
+    def _head(role):
+        return [(IM_START, SPECIAL), (f"{role}\n", TEXT)]
+
+    def _body(self, content, calls, after):
+        return [(content, CONTENT), *calls, *after, (IM_END, SPECIAL), *self.close_reply()]
 
     @staticmethod
     def _tool_calls(m) -> list[tuple[str, str]]:
@@ -358,6 +413,22 @@ def render(
         if block.index is not None:
             spans.append(MessageSpan(block.index, block.role, start, len(toks), c0, c1))
     return Rendered(toks, spans, tools_span)
+
+
+def render_reply(tokenizer: ChatTokenizer, message) -> Reply:
+    """The token ids a model generated for an assistant message, after the generation prompt
+    `render(..., add_generation_prompt=True)` placed: its reasoning block (`reasoning_content`,
+    if not empty), then its content and tool calls as `render` places them after the message's
+    head, through its end (stop token, then `close_reply`'s tokens: ChatML's "\n"). Holds:
+    `render(M).tokens + reply.without_reasoning` starts `render(M + [message],
+    add_generation_prompt=False).tokens` (see the module docstring)."""
+    if message.get("role") != "assistant":
+        raise ValueError(f"a reply is an assistant message, not {message.get('role')!r}")
+    fmt = tokenizer.format
+    reasoning = message.get("reasoning_content") or ""
+    toks = encode_pieces(tokenizer, fmt.reasoning_pieces(reasoning)) if reasoning else []
+    span = (0, len(toks)) if reasoning else None
+    return Reply(toks + encode_pieces(tokenizer, fmt.reply_body(message)), span)
 
 
 def close_reply(tokenizer: ChatTokenizer, generated) -> list[int]:

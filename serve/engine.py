@@ -58,7 +58,7 @@ from leyline_jax import paged
 from leyline_jax.config import check_ids, check_tokens
 from leyline_jax.directives import Mode
 from leyline_jax.sharding import MeshConfig, shard_model
-from serve import budget, lineage
+from serve import budget, lineage, spans
 from serve.budget import KVPlan, TurnPlan
 from serve.edits import compose
 from serve.radix import RadixCache
@@ -90,6 +90,8 @@ class TurnStats:
     reused_tokens: int = 0  # ... whose KV was already cached and kept as is
     spliced_tokens: int = 0  # ... whose KV AMORTIZE moved and rotated
     prefilled_tokens: int = 0  # ... run through the model in this turn
+    moved_tokens: int = 0  # of spliced_tokens, those MOVE copied from another position
+    scratch_tokens: int = 0  # SCRATCH tokens spliced out of the session when the turn ended
     submitted_s: float = 0.0  # perf_counter() times, and the two spans measured from them
     first_token_s: float | None = None
     finished_s: float | None = None
@@ -119,6 +121,9 @@ class Request:
         self.fed = 0  # generated tokens whose KV is cached
         self.prompt: list[int] | None = None  # a whole prompt (submit_prompt), diffed at admission
         self.mode = Mode.AMORTIZE
+        self.scratch: list[tuple[int, int]] = []  # SCRATCH spans of the turn's prompt
+        self.scratch_tags: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+        self.move: bool | None = None  # MOVE for this turn (None: the engine's default)
 
     @property
     def finished(self) -> bool:
@@ -156,6 +161,9 @@ class Session:
     queue: collections.deque = dataclasses.field(default_factory=collections.deque)
     active: Request | None = None
     last_used: float = 0.0
+    pins: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # PIN spans
+    lineage: str = ""  # radix pages it inserted may be MOVE sources for this lineage only
+    private: bool = False  # it ran MOVE: its non-clean KV is cached for its lineage only
 
 
 class Engine:
@@ -172,6 +180,7 @@ class Engine:
         prefill_chunk: int = 256,
         radix: bool = True,
         mesh: MeshConfig | None = None,
+        move: bool = False,
     ):
         if not 1 <= prefill_chunk <= paged.PREFILL_CHUNK:
             raise ValueError(f"prefill_chunk must be in [1, {paged.PREFILL_CHUNK}]")
@@ -199,12 +208,77 @@ class Engine:
         self._order = itertools.count()  # submission order of queued turns
         self._queued: list[tuple[int, Request]] = []
         self.counters = collections.Counter()  # tokens prefilled / reused / spliced, evictions
+        self.move = bool(move)  # MOVE by default (a turn may say otherwise)
+        self._page_lineage: dict[int, str] = {}  # radix page -> lineage of the session it came from
+        # lineage -> the KV its MOVE sessions hold past their clean prefix (spliced or moved,
+        # so never shared with another lineage): a later session of the lineage starts from it
+        self._private: dict[str, RadixCache] = {}
 
     # ---- sessions ---------------------------------------------------------------------------
-    def open_session(self) -> int:
+    def open_session(self, *, lineage: str | None = None) -> int:
+        """A new session. `lineage` (default: its own) names whose clean radix pages MOVE may
+        copy into it: those that sessions of the same lineage cached (like vLLM's
+        `cache_salt`, it keeps one tenant's KV from being moved into another's prompt;
+        exact-prefix hits are shared as before)."""
         sid = next(self._ids)
-        self.sessions[sid] = Session(sid, last_used=time.perf_counter())
+        if lineage is not None and not isinstance(lineage, str):
+            raise ValueError(f"lineage must be a string, got {lineage!r}")
+        self.sessions[sid] = Session(
+            sid,
+            last_used=time.perf_counter(),
+            lineage=f"session:{sid}" if lineage is None else lineage,
+        )
         return sid
+
+    # ---- PIN ----------------------------------------------------------------------------------
+    def pin(self, session: int, start: int, end: int) -> None:
+        """Pin tokens [start, end) of a session (its coordinates now): no directive may cut
+        into them unless it says `override_pin` (the pin is then dropped), policies leave the
+        messages that hold them alone (`serve.policies`: the harness marks them), and the
+        session's KV is never offloaded to make room while it holds a pin (a turn that could
+        only fit by evicting pinned KV waits, or fails if it never could). Pins move with
+        edits before them. Raises KeyError (session) or DirectiveError (span)."""
+        s = self._session(session)
+        (span,) = spans.check_spans([(start, end)], len(s.tokens), "pinned span")
+        s.pins = sorted([*s.pins, span])
+
+    def unpin(self, session: int, start: int, end: int) -> None:
+        """Drop one pin of exactly [start, end) (as `pins(session)` lists it); ValueError if
+        there is none. The session's KV returns to normal LRU offloading once it holds no pin."""
+        s = self._session(session)
+        if (start, end) not in s.pins:
+            raise ValueError(f"session {session} has no pin ({start}, {end}): {s.pins}")
+        s.pins.remove((start, end))
+
+    def pins(self, session: int) -> list[tuple[int, int]]:
+        """The session's pinned spans, in its coordinates now."""
+        return list(self._session(session).pins)
+
+    def pin_prefix(self, tokens: Sequence[int]) -> int:
+        """Pin the radix cache's whole pages of the longest cached prefix of `tokens` (a system
+        prompt, say): never evicted under pressure until `unpin_prefix`. Returns how many
+        tokens are pinned (0 without a radix cache)."""
+        if self.radix is None:
+            return 0
+        toks = check_tokens(tokens, self.model.config.vocab_size, allow_empty=True).tolist()
+        return len(self.radix.pin(toks)) * self.page_size
+
+    def unpin_prefix(self, tokens: Sequence[int]) -> int:
+        """Undo one `pin_prefix(tokens)`; returns how many tokens it unpinned."""
+        if self.radix is None:
+            return 0
+        toks = check_tokens(tokens, self.model.config.vocab_size, allow_empty=True).tolist()
+        return len(self.radix.unpin(toks)) * self.page_size
+
+    def _pinned_pages(self, exclude: Session | None = None) -> set[int]:
+        """Pages no eviction or offload may free: those of sessions holding pins (but
+        `exclude`) and the radix cache's pinned pages."""
+        out = set(self.radix.pinned_pages()) if self.radix is not None else set()
+        for x in self.sessions.values():
+            if x is not exclude and x.pins and x.seq is not None:
+                n = -(-int(self.state.lengths[x.seq]) // self.page_size)
+                out.update(int(p) for p in self.state.page_table[x.seq, :n])
+        return out
 
     def restore_session(
         self,
@@ -272,12 +346,24 @@ class Engine:
         *,
         directives: Sequence[ll.Directive] = (),
         sampling: SamplingParams | None = None,
+        scratch: Sequence[tuple[int, int]] = (),
+        scratch_tags: tuple[Sequence[int], Sequence[int]] | None = None,
+        move: bool | None = None,
     ) -> Request:
         """Queue a turn: apply `directives` (an atomic batch in the session's coordinates when
-        the turn runs, each in its own mode), append `tokens`, generate. Checked now: the
+        the turn runs, each in its own mode; a DECAY is resolved then, from the session's KV,
+        which must hold its span), append `tokens`, generate. Checked now: the
         session (KeyError), token ids and sampling (ValueError), that each directive is a
         `Directive` (DirectiveError). Checked when the turn runs, failing that turn only: the
-        directives' spans against the session as it is then."""
+        directives' spans against the session as it is then, and its pins.
+
+        SCRATCH: `scratch` spans (start, end) of the turn's prompt (the session's tokens after
+        the edit, then `tokens`) and, with `scratch_tags=(open, close)` (token ids), every
+        generated block from `open` through `close` are spliced out of the session (AMORTIZE
+        deletions) when the turn finishes, so its next prompt, re-sent without them, is an
+        extension of what the session holds. MOVE: `move` (default: the engine's) copies runs
+        of at least a page of the tokens the turn would prefill from where the session, or
+        the clean radix cache of its lineage, holds them (see `_move_plan`)."""
         s, sampling = self._check_turn(session, sampling)
         toks = check_tokens(tokens, self.model.config.vocab_size, allow_empty=True).tolist()
         if not toks and not s.tokens and not s.queue and s.active is None:
@@ -289,7 +375,30 @@ class Engine:
         for d in ds:
             if not isinstance(d, ll.Directive):
                 raise dv.DirectiveError(f"{d!r} is not a Directive")
-        return self._queue(Request(self, s, toks, ds, sampling))
+        req = Request(self, s, toks, ds, sampling)
+        self._turn_options(req, scratch, scratch_tags, move, None)
+        return self._queue(req)
+
+    def _turn_options(self, req: Request, scratch, scratch_tags, move, length) -> None:
+        """Check and set a turn's SCRATCH and MOVE options (spans against `length`, the
+        prompt's, when known now; else when the turn runs)."""
+        vocab = self.model.config.vocab_size
+        try:
+            req.scratch = [tuple(x) for x in scratch]
+        except TypeError as e:
+            raise dv.DirectiveError(f"scratch must be (start, end) pairs: {e}") from e
+        if length is not None:
+            req.scratch = spans.check_spans(req.scratch, length, "scratch span")
+        if scratch_tags is not None:
+            try:
+                o, c = scratch_tags
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"scratch_tags must be (open ids, close ids): {e}") from e
+            o, c = (tuple(check_tokens(x, vocab).tolist()) for x in (o, c))
+            req.scratch_tags = (o, c)
+        if move is not None and not isinstance(move, bool):
+            raise ValueError(f"move must be a bool or None, got {move!r}")
+        req.move = move
 
     def submit_prompt(
         self,
@@ -299,6 +408,9 @@ class Engine:
         mode: Mode = Mode.AMORTIZE,
         sampling: SamplingParams | None = None,
         directives: Sequence[ll.Directive] = (),
+        scratch: Sequence[tuple[int, int]] = (),
+        scratch_tags: tuple[Sequence[int], Sequence[int]] | None = None,
+        move: bool | None = None,
     ) -> Request:
         """Queue a turn given as the whole prompt (what an unmodified harness sends): when it
         runs, the difference from the session's tokens becomes directives in `mode` plus the
@@ -306,20 +418,30 @@ class Engine:
         edits) are in the prompt's own coordinates: the turn's prompt is the prompt with them
         applied, and when the prompt extends the session each is spliced exactly as given, in
         its own mode (`serve.edits.compose`). Checked now like `submit`; `mode` must be a
-        `Mode` (ValueError); the directives against the prompt (DirectiveError)."""
+        `Mode` (ValueError); the directives against the prompt (DirectiveError: DECAY, whose
+        text depends on the session's KV, goes through `submit`). `scratch` spans are in the
+        turn's prompt's coordinates (the prompt with `directives` applied); `scratch_tags`
+        and `move` as in `submit`."""
         s, sampling = self._check_turn(session, sampling)
         vocab = self.model.config.vocab_size
         toks = check_tokens(prompt, vocab).tolist()
-        if not isinstance(mode, Mode):
+        if mode not in (Mode.AMORTIZE, Mode.FORGET):
             raise ValueError(f"mode={mode!r} must be Mode.AMORTIZE or Mode.FORGET")
         try:
             ds = dv.validate(list(directives), len(toks), vocab)
         except TypeError as e:
             raise dv.DirectiveError(f"directives must be a sequence of Directive: {e}") from e
-        if not dv.apply_to_list(toks, ds):
+        if any(d.mode is Mode.DECAY for d in ds):
+            raise dv.DirectiveError(
+                "a DECAY's text depends on the session's KV: send it with submit (session "
+                "coordinates), not inside a whole prompt"
+            )
+        final = dv.apply_to_list(toks, ds)
+        if not final:
             raise dv.DirectiveError("the directives leave the prompt empty")
         req = Request(self, s, [], ds, sampling)
         req.prompt, req.mode = toks, mode
+        self._turn_options(req, scratch, scratch_tags, move, len(final))
         return self._queue(req)
 
     def _check_turn(self, session, sampling) -> tuple[Session, SamplingParams]:
@@ -371,14 +493,17 @@ class Engine:
         return True
 
     def reset_prefix_cache(self) -> int:
-        """Empty the radix prefix cache (like vLLM's `reset_prefix_cache`): the tree drops
-        every reference it holds, and pages no session holds return to the pool. Sessions keep
-        their own KV (close them to drop it); their clean prefixes enter the cache again as
-        they run. Returns how many pages came back to the pool."""
+        """Empty the radix prefix cache (like vLLM's `reset_prefix_cache`): the tree (and
+        every lineage's private tree) drops every reference it holds, and pages no session
+        holds return to the pool. Sessions keep their own KV (close them to drop it); their
+        clean prefixes enter the cache again as they run. Returns how many pages came back to
+        the pool."""
         if self.radix is None:
             return 0
         before = len(kv.free_pages(self.state))
         pages = self.radix.clear()
+        for tree in self._private.values():
+            pages += tree.clear()
         if pages:
             self.state = paged.release(self.state, pages)
         return len(kv.free_pages(self.state)) - before
@@ -403,6 +528,14 @@ class Engine:
             jax.block_until_ready(sample(logits, f32, f32 + 1, seed, jnp.zeros(b, jnp.int32)))
             shapes += 1
         return shapes
+
+    def cache_pages(self) -> list[int]:
+        """Every page reference the prefix caches hold: the radix cache's and the lineages'
+        private trees' (a page in both is listed twice: each holds a reference)."""
+        out = [] if self.radix is None else self.radix.pages()
+        for tree in self._private.values():
+            out += tree.pages()
+        return out
 
     def _session(self, session: int) -> Session:
         s = self.sessions.get(session) if is_int(session) else None
@@ -463,11 +596,29 @@ class Engine:
             ds, new = compose(s.tokens, req.prompt, req.directives, mode=req.mode)
         else:
             ds, new = req.directives, req.new_tokens
-        ds = dv.validate(ds, len(s.tokens), vocab)
+        ds = dv.validate(ds, len(s.tokens), vocab, s.tokens)
+        spans.check_pins(s.pins, ds)
+        if any(d.mode is Mode.DECAY for d in ds):
+            ds = self._resolve_decays(s, ds)
         edited = dv.apply_to_list(s.tokens, ds)
         if not new and not edited:
             raise dv.DirectiveError("the turn would leave the session empty: it adds no token")
-        return TurnPlan(ds, edited + list(new))
+        prompt = edited + list(new)
+        if req.prompt is None:
+            req.scratch = spans.check_spans(req.scratch, len(prompt), "scratch span")
+        return TurnPlan(ds, prompt)
+
+    def _resolve_decays(self, s: Session, ds: list[ll.Directive]) -> list[ll.Directive]:
+        """DECAY directives resolved into MOVEs of the tokens they keep, chosen from the
+        session's KV (`leyline_jax.importance`): it must hold every DECAY span."""
+        short = [d for d in ds if d.mode is Mode.DECAY and (s.seq is None or d.end > s.cached)]
+        if short:
+            raise dv.DirectiveError(
+                f"DECAY [{short[0].start}, {short[0].end}) needs the span's KV, but session "
+                f"{s.id} holds {s.cached if s.seq is not None else 0} cached tokens"
+            )
+        out, _ = dv.resolve_decays(self.model, self.state, s.seq, ds)
+        return dv.validate(out, len(s.tokens), self.model.config.vocab_size, s.tokens)
 
     def _cut(self, s: Session, ds, cut: int) -> None:
         """Truncate a session's KV to tokens[:cut] (KV before the cut is kept exactly), after
@@ -493,18 +644,23 @@ class Engine:
                 ),
             )
         kvp = None if s.seq is None else budget.kv_plan(s.cached, plan)
+        if kvp is not None and kvp.splices:
+            kvp = self._movable(kvp)
         if kvp is not None and kvp.kept == 0:
             # nothing of the cached KV survives the edit: the session's KV starts again
             self._offload(s)
             self._purge(s, plan.directives)
             kvp = None
         need, held = budget.need(self.page_size, plan, req.sampling.max_new_tokens, kvp)
-        if need > self.state.num_pages - held:
+        own = set() if s.seq is None else set(self.state.page_table[s.seq, :held].tolist())
+        pinned = len(self._pinned_pages(exclude=s) - own)
+        if need > self.state.num_pages - held - pinned:
             return self._fail(
                 req,
                 RequestError(
                     f"the turn needs up to {need} pages of {self.page_size} tokens beside the "
                     f"{held} its session holds meanwhile; the pool has {self.state.num_pages}"
+                    + (f", {pinned} of them pinned" if pinned else "")
                 ),
             )
         if kvp is not None and kvp.cut < s.cached:
@@ -523,15 +679,30 @@ class Engine:
             return "wait"
         return "admitted"
 
+    def _movable(self, kvp: KVPlan) -> KVPlan:
+        """The plan with every spliced MOVE whose sources the KV does not hold through the cut
+        made a plain AMORTIZE (the same text, its replacement prefilled)."""
+        out = []
+        for d in kvp.splices:
+            if any(not x.pages and x.position + x.length > kvp.cut for x in d.sources):
+                d = ll.Directive(d.start, d.end, d.replacement, override_pin=d.override_pin)
+                self.counters["moves_prefilled"] += 1
+            out.append(d)
+        return dataclasses.replace(kvp, splices=out)
+
     def _make_room(self, need: int, for_session: Session) -> bool:
         """Evict radix leaves, then offload idle sessions, until `need` pages are available."""
         while self._available() < need:
-            if self.radix is not None:
-                pages = self.radix.evict(need - self._available(), self.state.refcount)
+            trees = [] if self.radix is None else [self.radix, *self._private.values()]
+            pages = []
+            for tree in trees:
+                pages = tree.evict(need - self._available(), self.state.refcount)
                 if pages:
-                    self.state = paged.release(self.state, pages)
-                    self.counters["radix_evicted_pages"] += len(pages)
-                    continue
+                    break
+            if pages:
+                self.state = paged.release(self.state, pages)
+                self.counters["radix_evicted_pages"] += len(pages)
+                continue
             victim = self._idle_victim(exclude=for_session)
             if victim is None:
                 return False
@@ -542,7 +713,7 @@ class Engine:
         idle = [
             s
             for s in self.sessions.values()
-            if s is not exclude and s.seq is not None and s.active is None
+            if s is not exclude and s.seq is not None and s.active is None and not s.pins
         ]
         return min(idle, key=lambda s: s.last_used) if idle else None
 
@@ -576,9 +747,14 @@ class Engine:
 
     def _cache_prefix(self, s: Session) -> None:
         if s.seq is not None:
-            self.state = lineage.cache_prefix(
+            self.state, taken = lineage.cache_prefix(
                 self.radix, self.state, s.seq, s.tokens, min(s.clean, s.cached)
             )
+            for p in taken:
+                self._page_lineage[p] = s.lineage
+            if s.private and self.radix is not None and s.cached // self.page_size:
+                tree = self._private.setdefault(s.lineage, RadixCache(self.page_size))
+                self.state, _ = lineage.cache_prefix(tree, self.state, s.seq, s.tokens, s.cached)
 
     def _fail(self, req: Request, error: Exception) -> str:
         req.status, req.error = "failed", error
@@ -588,6 +764,7 @@ class Engine:
 
     def _purge(self, s: Session, ds) -> None:
         self.state = lineage.purge(self.radix, self.state, s.tokens, ds)
+        self.state = lineage.purge(self._private.get(s.lineage), self.state, s.tokens, ds)
 
     def _start(self, req: Request, plan: TurnPlan, kvp: KVPlan | None) -> None:
         """Apply the turn's edit to the session's KV and set up its prompt (the turn is
@@ -600,10 +777,20 @@ class Engine:
             pages, hit = [], 0
             if self.radix is not None:
                 pages, hit = self.radix.match(prompt, max_tokens=len(prompt) - 1)
+            clean = hit
+            tree = self._private.get(s.lineage)
+            if tree is not None:  # the lineage's own KV, if it reaches further
+                own, n = tree.match(prompt, max_tokens=len(prompt) - 1)
+                if n > hit:
+                    same = 0  # clean only as far as its pages are the radix cache's own
+                    while same < min(len(own), len(pages)) and own[same] == pages[same]:
+                        same += 1
+                    pages, hit, clean = own, n, same * self.page_size
             if hit:  # the slot is open and empty: reopen it holding the cached pages
                 self.state = paged.free(self.state, s.seq)
                 self.state = paged.adopt(self.state, s.seq, pages, prompt[:hit])
-            s.cached = s.clean = st.reused_tokens = hit
+            s.cached = st.reused_tokens = hit
+            s.clean = clean
         else:  # the KV holds tokens[:cut] (`_try_admit` cut it): splice what precedes the cut
             st.reused_tokens = kvp.cut
             if kvp.splices:
@@ -611,8 +798,13 @@ class Engine:
                     self.model, self.state, s.seq, kvp.splices, report=True
                 )
                 st.reused_tokens, st.spliced_tokens = done.reused, done.spliced
+                st.moved_tokens = done.moved
             s.clean = lineage.clean_after_edit(s.clean, kvp)
             s.cached = kvp.kept
+        s.pins = spans.remap(s.pins, plan.directives)
+        if self.move if req.move is None else req.move:
+            s.private = True
+            self._move(req, prompt)
         s.tokens = list(prompt)
         req.pending = prompt[s.cached :]
         st.prefilled_tokens = len(prompt) - st.reused_tokens - st.spliced_tokens
@@ -625,6 +817,89 @@ class Engine:
         req.status = "prefill"
         self.counters["reused"] += st.reused_tokens
         self.counters["spliced"] += st.spliced_tokens
+
+    # ---- MOVE ---------------------------------------------------------------------------------
+    def _move_plan(self, s: Session, prompt: list[int], kept: int) -> ll.Directive | None:
+        """MOVE for the tokens a turn would prefill, prompt[kept:] (its KV holds prompt[:kept]):
+        scanning left to right, a run of at least a page of tokens that the session's own KV
+        holds at another position (prompt[:kept]) is taken from there, extended as far as it
+        matches; failing that, a whole page of the clean radix cache holding exactly the next
+        page of tokens, cached by a session of the same lineage. Returns one insertion at
+        `kept` whose replacement runs to the last such run (its gaps are prefilled), or None;
+        at least the prompt's last token is left to feed."""
+        ps, limit = self.page_size, len(prompt) - 1
+        own: dict[tuple[int, ...], int] = {}
+        for p in range(kept - ps, -1, -1):  # the earliest occurrence of each page of tokens
+            own[tuple(prompt[p : p + ps])] = p
+        sources, o = [], kept
+        while o + ps <= limit:
+            key = tuple(prompt[o : o + ps])
+            p = own.get(key)
+            if p is not None:
+                n = ps
+                while o + n < limit and p + n < kept and prompt[o + n] == prompt[p + n]:
+                    n += 1
+                sources.append(ll.Source(o - kept, p, n))
+                o += n
+                continue
+            found = self.radix.locate(key) if self.radix is not None else None
+            if found is not None and self._page_lineage.get(found[0]) == s.lineage:
+                sources.append(ll.Source(o - kept, found[1], ps, pages=(found[0],)))
+                o += ps
+                continue
+            o += 1
+        if not sources:
+            return None
+        end = kept + sources[-1].offset + sources[-1].length
+        return ll.Directive(kept, kept, prompt[kept:end], Mode.MOVE, sources=tuple(sources))
+
+    def _move(self, req: Request, prompt: list[int]) -> None:
+        """Apply the turn's MOVE (`_move_plan`) to its session's KV, if there is one. A MOVE the
+        pool cannot hold now is skipped: those tokens are prefilled instead."""
+        s, st = req.session, req.stats
+        d = self._move_plan(s, prompt, s.cached)
+        if d is None:
+            return
+        try:
+            self.state, done = ll.apply_directives(self.model, self.state, s.seq, [d], report=True)
+        except (ll.OutOfPagesError, ll.DirectiveError):
+            self.counters["moves_skipped"] += 1
+            return
+        s.cached += len(d.replacement)
+        st.spliced_tokens += done.moved
+        st.moved_tokens += done.moved
+        self.counters["moved"] += done.moved
+
+    # ---- SCRATCH ------------------------------------------------------------------------------
+    def _drop_scratch(self, req: Request) -> None:
+        """Splice the finished turn's SCRATCH spans out of its session (one AMORTIZE batch of
+        deletions on the KV it holds; tokens known but not cached are dropped from the token
+        list). A span that cuts into a pin is left; a batch the pool cannot hold now is left
+        for the next turn's edit detection (its prompt no longer holds the spans)."""
+        s = req.session
+        marked = list(req.scratch)
+        if req.scratch_tags is not None:
+            n = len(s.tokens) - len(req.output)
+            marked += [(n + a, n + b) for a, b in spans.find_tagged(req.output, *req.scratch_tags)]
+        ds = [ll.Directive(a, b) for a, b in sorted(marked)]
+        ds = [d for d in ds if not any(spans.cuts_into(d, p) for p in s.pins)]
+        if not ds or s.seq is None or len(dv.apply_to_list(s.tokens, ds)) == 0:
+            return
+        cached = [ll.Directive(d.start, min(d.end, s.cached)) for d in ds if d.start < s.cached]
+        try:
+            if cached:
+                self.state = ll.apply_directives(self.model, self.state, s.seq, cached)
+        except ll.OutOfPagesError:
+            self.counters["scratch_deferred"] += 1
+            return
+        removed = sum(d.end - d.start for d in ds)
+        s.cached -= sum(d.end - d.start for d in cached)
+        if cached:
+            s.clean = min(s.clean, cached[0].start)
+        s.pins = spans.remap(s.pins, ds)
+        s.tokens = dv.apply_to_list(s.tokens, ds)
+        req.stats.scratch_tokens = removed
+        self.counters["scratch"] += removed
 
     # ---- device steps -------------------------------------------------------------------------
     def _run_batch(self) -> None:
@@ -693,7 +968,9 @@ class Engine:
 
     def _finish(self, r: Request, now: float) -> None:
         r.status = "done"
-        r.stats.finished(now)
         s = r.session
         s.active = None
         self._cache_prefix(s)
+        if r.scratch or r.scratch_tags is not None:
+            self._drop_scratch(r)
+        r.stats.finished(now)

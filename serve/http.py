@@ -450,6 +450,7 @@ def build_app(backend: Backend):
         mode = Mode[req.options.mode.upper()]
         loop = asyncio.get_running_loop()
         job = Job(prompt, sampling, mode, key, loop, asyncio.Queue(), list(directives))
+        job.move, job.lineage = req.options.move, req.options.lineage
         job.incremental = req.stream or bool(req.stops)  # else nothing to do before the end
         require_engine()
         try:

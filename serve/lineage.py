@@ -1,11 +1,11 @@
 """Lineage: which KV may be shared through the radix cache, and what a FORGET takes back.
 
-KV that AMORTIZE spliced is not what a fresh prefill of the same tokens gives, so it stays with
-the session (and its KV) that made it: a session tracks `clean`, the length of the prefix whose
-KV a fresh prefill would reproduce, and only whole pages of that prefix enter the radix cache
-(`cache_prefix`). A FORGET purges the radix path of the session's pre-edit tokens from the
-first evicted token on, before the edit runs (`purge`): nothing computed with the evicted
-tokens stays reachable, and pages nobody references afterwards are zeroed.
+KV that AMORTIZE spliced (or MOVE copied) is not what a fresh prefill of the same tokens gives,
+so it stays with the session (and its KV) that made it: a session tracks `clean`, the length of
+the prefix whose KV a fresh prefill would reproduce, and only whole pages of that prefix enter
+the radix cache (`cache_prefix`). A FORGET purges the radix path of the session's pre-edit
+tokens from the first evicted token on, before the edit runs (`purge`): nothing computed with
+the evicted tokens stays reachable, and pages nobody references afterwards are zeroed.
 """
 
 from __future__ import annotations
@@ -21,16 +21,16 @@ from serve.radix import RadixCache
 
 def cache_prefix(
     radix: RadixCache | None, state: PagedKVState, seq: int, tokens: Sequence[int], clean: int
-) -> PagedKVState:
+) -> tuple[PagedKVState, list[int]]:
     """Offer the whole pages of `seq`'s clean prefix (tokens[:clean], cached) to the tree; the
-    state takes a reference for each page the tree newly holds."""
+    state takes a reference for each page the tree newly holds. Returns (state, those pages)."""
     ps = state.page_size
     n = clean // ps
     if radix is None or n == 0:
-        return state
+        return state, []
     row = state.page_table[seq, :n]
     taken = radix.insert(list(tokens[: n * ps]), [int(p) for p in row])
-    return paged.retain(state, taken) if taken else state
+    return (paged.retain(state, taken) if taken else state), taken
 
 
 def purge(

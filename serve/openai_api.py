@@ -11,7 +11,8 @@ conversation the request continues, and `leyline` carries the edit channel's opt
 (`LeylineOptions`: `mode` "amortize" (default) or "forget" for the edit the server finds by
 diffing the re-sent history against the session; `directives`: explicit, message-granular edits
 (`MessageDirective`); `return_token_ids`: also return the prompt's and the completion's token
-ids). vLLM's `ignore_eos` (generate through the end-of-turn token). Anthropic's context
+ids; `move` and `lineage`: MOVE for this request, and whose cached KV it may move). vLLM's
+`ignore_eos` (generate through the end-of-turn token). Anthropic's context
 editing, `context_management.edits` with `clear_tool_uses_20250919` (`ContextManagement`):
 the server clears old tool results from the history it runs, and reports what it cleared.
 """
@@ -168,6 +169,13 @@ class LeylineOptions(_Closed):
     mode: Literal["amortize", "forget"] = "amortize"
     directives: list[MessageDirective] = Field(default_factory=list, max_length=256)
     return_token_ids: bool = False
+    # MOVE: runs of at least a page the session, or its lineage's cache, holds at another
+    # position are moved and rotated instead of prefilled (the KV then differs from a fresh
+    # prefill's: BENCHMARKS.md measures the drift)
+    move: bool = False
+    # the lineage a new session joins (like vLLM's cache_salt: only sessions of one lineage
+    # MOVE each other's KV); default: its own
+    lineage: str | None = Field(None, min_length=1, max_length=256)
 
     @field_validator("directives")
     @classmethod

@@ -10,7 +10,14 @@ sends (it never touches a cache); the engine turns the edit into directives (`se
   for every cleared call, or a tuple of the tool names whose calls are blanked).
 
 Policies are stateful per session: what was cleared stays cleared at later steps (as a harness
-that edits its own history would keep it), so edits only ever grow.
+that edits its own history would keep it), so edits only ever grow (pins aside, below).
+
+Pinned messages (PIN): a message with `"pinned": True` is never edited by either policy. Pinned
+tool messages are left out of clearing as `exclude_tools` leaves its tools out: never a
+candidate, never counted as cleared, while `keep` still counts every tool turn (a pinned one
+among the most recent `keep` uses up a place); a pinned assistant message keeps its calls'
+arguments under `clear_tool_inputs`. A message cleared before it was pinned is shown
+whole while pinned (it stays in the session's record, so it is cleared again once unpinned).
 """
 
 from __future__ import annotations
@@ -25,6 +32,11 @@ INPUT_STUB = "{}"
 
 def _tool_turns(messages) -> list[int]:
     return [i for i, m in enumerate(messages) if m.get("role") == "tool"]
+
+
+def pinned(message: dict) -> bool:
+    """Whether a policy must leave this message as it is."""
+    return message.get("pinned") is True
 
 
 def call_of(messages, i: int):
@@ -51,7 +63,8 @@ class Truncate:
         out = copy.deepcopy(messages)
         tools = _tool_turns(out)
         for i in tools[: max(len(tools) - self.keep, 0)]:
-            out[i]["content"] = self.stub
+            if not pinned(out[i]):
+                out[i]["content"] = self.stub
         return out
 
 
@@ -91,10 +104,18 @@ class ClearToolUses:
             return self.clear_tool_inputs
         return (call.get("function") or {}).get("name") in self.clear_tool_inputs
 
+    def _blanked_call(self, messages, i: int):
+        """The call whose arguments clearing tool message i blanks, if any (never a call in a
+        pinned assistant message)."""
+        j, call = call_of(messages, i)
+        if call is None or pinned(messages[j]) or not self.clears_input(call):
+            return None
+        return call
+
     def _clear(self, out, i: int) -> None:
         out[i]["content"] = self.stub
-        _, call = call_of(out, i)
-        if call is not None and self.clears_input(call):
+        call = self._blanked_call(out, i)
+        if call is not None:
             call.setdefault("function", {})["arguments"] = INPUT_STUB
 
     def applied(self, session: str, messages: list[dict]) -> tuple[int, int]:
@@ -103,12 +124,12 @@ class ClearToolUses:
         blanked call's arguments less the input stub's)."""
         uses = tokens = 0
         for i in sorted(self.cleared.get(session, ())):
-            if i >= len(messages) or messages[i].get("role") != "tool":
+            if i >= len(messages) or messages[i].get("role") != "tool" or pinned(messages[i]):
                 continue
             uses += 1
             tokens += self._tokens(messages[i].get("content") or "") - self._tokens(self.stub)
-            _, call = call_of(messages, i)
-            if call is not None and self.clears_input(call):
+            call = self._blanked_call(messages, i)
+            if call is not None:
                 args = (call.get("function") or {}).get("arguments") or ""
                 args = args if isinstance(args, str) else json.dumps(args)
                 tokens += self._tokens(args) - self._tokens(INPUT_STUB)
@@ -118,7 +139,8 @@ class ClearToolUses:
         out = copy.deepcopy(messages)
         cleared = self.cleared.setdefault(session, set())
         for i in sorted(cleared):
-            if i < len(out) and out[i].get("role") == "tool":  # (a history that moved on)
+            # (a history that moved on; a message pinned since)
+            if i < len(out) and out[i].get("role") == "tool" and not pinned(out[i]):
                 self._clear(out, i)
         tools = _tool_turns(out)
         fired = (
@@ -133,7 +155,7 @@ class ClearToolUses:
         candidates = [
             i
             for i in tools[: max(len(tools) - self.keep, 0)]
-            if i not in cleared and name[i] not in self.exclude_tools
+            if i not in cleared and name[i] not in self.exclude_tools and not pinned(out[i])
         ]
         gain = sum(
             self._tokens(out[i].get("content") or "") - self._tokens(self.stub) for i in candidates

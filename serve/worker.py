@@ -33,6 +33,8 @@ class Job:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue
     directives: list = dataclasses.field(default_factory=list)  # in `prompt`'s coordinates
+    move: bool = False  # MOVE for this turn (`Engine.submit_prompt`)
+    lineage: str | None = None  # a new session's lineage (`Engine.open_session`)
     incremental: bool = True  # tokens as each step samples them (else once, at the end)
     arrived: float = dataclasses.field(default_factory=time.perf_counter)
     request: object = None  # the engine's Request, once submitted
@@ -266,10 +268,15 @@ class EngineWorker:
             self._end(job, ("error", TurnCancelled("the turn was cancelled")), submitted=False)
             return
         new = job.session_key is None or job.session_key not in self.sessions
-        job.sid = eng.open_session() if new else self.sessions[job.session_key]
+        job.sid = eng.open_session(lineage=job.lineage) if new else self.sessions[job.session_key]
         try:
             job.request = eng.submit_prompt(
-                job.sid, job.prompt, mode=job.mode, sampling=job.sampling, directives=job.directives
+                job.sid,
+                job.prompt,
+                mode=job.mode,
+                sampling=job.sampling,
+                directives=job.directives,
+                move=job.move,
             )
         except (ValueError, KeyError) as e:
             if new:  # nothing of the session exists yet: do not keep an empty one
