@@ -78,8 +78,9 @@ IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 SMOLLM2_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
-# Piece kinds: a special token, plain text, the message's own content, the tool schemas.
-SPECIAL, TEXT, CONTENT, TOOLS = "s", "t", "c", "T"
+# Piece kinds: a special token, plain text, the message's own content, the tool schemas, a
+# re-sent reasoning block.
+SPECIAL, TEXT, CONTENT, TOOLS, REASONING = "s", "t", "c", "T", "r"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +98,9 @@ class Rendered:
     tokens: list[int]
     spans: list[MessageSpan]
     tools: tuple[int, int] | None = None  # span of the rendered tool schemas, if any
+    reasoning: tuple[
+        tuple[int, int], ...
+    ] = ()  # spans of re-sent reasoning blocks (keep_reasoning)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -394,25 +398,56 @@ def encode_pieces(tokenizer: ChatTokenizer, pieces) -> list[int]:
 
 
 def render(
-    tokenizer: ChatTokenizer, messages, tools=None, *, add_generation_prompt: bool = True
+    tokenizer: ChatTokenizer,
+    messages,
+    tools=None,
+    *,
+    add_generation_prompt: bool = True,
+    keep_reasoning: bool = False,
 ) -> Rendered:
     """Token ids of a conversation in the tokenizer's chat format and each message's span (see
-    the module docstring). `Rendered.tools`: the span of the tool schemas' text, if any."""
+    the module docstring). `Rendered.tools`: the span of the tool schemas' text, if any.
+
+    `keep_reasoning`: the interleaved rule of reasoning models that call tools (DeepSeek-V3.2's
+    and Qwen3's templates): the reasoning of assistant messages after the last user message (the
+    agentic turn in progress) is re-sent, right after the message's head as `render_reply`
+    places it; earlier turns' reasoning is dropped. `Rendered.reasoning`: those blocks' spans."""
+    fmt = tokenizer.format
+    head = fmt.reply_head()
+    users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
+    last_user = users[-1] if users else -1
     toks: list[int] = []
-    spans = []
+    spans, thoughts = [], []
     tools_span = None
-    for block in tokenizer.format.blocks(messages, tools, add_generation_prompt):
+    for block in fmt.blocks(messages, tools, add_generation_prompt):
         start = c0 = c1 = len(toks)
-        for text, kind in block.pieces:
+        pieces = list(block.pieces)
+        m = messages[block.index] if block.index is not None else {}
+        if (
+            keep_reasoning
+            and block.role == "assistant"
+            and block.index > last_user
+            and m.get("reasoning_content")
+            and pieces[: len(head)] == head
+        ):
+            think = [(t, REASONING) for t, _ in fmt.reasoning_pieces(m["reasoning_content"])]
+            pieces = pieces[: len(head)] + think + pieces[len(head) :]
+        r0 = None
+        for text, kind in pieces:
             at = len(toks)
             toks.extend(encode_pieces(tokenizer, [(text, kind)]))
             if kind == CONTENT:
                 c0, c1 = at, len(toks)
             elif kind == TOOLS:
                 tools_span = (at, len(toks))
+            elif kind == REASONING:
+                r0 = at if r0 is None else r0
+                r1 = len(toks)
+        if r0 is not None:
+            thoughts.append((r0, r1))
         if block.index is not None:
             spans.append(MessageSpan(block.index, block.role, start, len(toks), c0, c1))
-    return Rendered(toks, spans, tools_span)
+    return Rendered(toks, spans, tools_span, tuple(thoughts))
 
 
 def render_reply(tokenizer: ChatTokenizer, message) -> Reply:

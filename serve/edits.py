@@ -31,12 +31,14 @@ def detect_edits(
     *,
     mode: Mode = Mode.AMORTIZE,
     min_keep: int = MIN_KEEP,
+    protect: Sequence[tuple[int, int]] = (),
 ) -> tuple[list[Directive], list[int]]:
     """(directives in `old`'s coordinates, tokens to append after them) with
     `apply_to_list(old, directives) + tail == list(new)`. The tail is everything `new` has
     after the last token of `old` it keeps: an edit reaching `old`'s end becomes a deletion of
     old's end plus the tail, so the new tokens go through the batched, chunked prefill rather
-    than a directive's fill."""
+    than a directive's fill. A kept run that overlaps a `protect` span (a pinned one) is never
+    folded into the edits around it."""
     old, new = [int(t) for t in old], [int(t) for t in new]
     p = 0
     while p < len(old) and p < len(new) and old[p] == new[p]:
@@ -50,7 +52,9 @@ def detect_edits(
             continue
         i1, i2, j1, j2 = i1 + p, i2 + p, j1 + p, j2 + p
         at_end = i1 == i2 == len(old)  # an insertion after the end stays the tail
-        if spans and not at_end and i1 - spans[-1][1] < min_keep:
+        kept = (spans[-1][1], i1) if spans else (i1, i1)
+        pinned = any(a < kept[1] and b > kept[0] for a, b in protect)
+        if spans and not at_end and i1 - spans[-1][1] < min_keep and not pinned:
             spans[-1][1], spans[-1][3] = i2, j2  # fold the short kept run into the edit
         else:
             spans.append([i1, i2, j1, j2])
@@ -70,15 +74,16 @@ def edits_and_feed(
     *,
     mode: Mode = Mode.AMORTIZE,
     min_keep: int = MIN_KEEP,
+    protect: Sequence[tuple[int, int]] = (),
 ) -> tuple[list[Directive], list[int]]:
     """`detect_edits`, with a tail of at least one token: a turn's first output needs the
     logits of a token it feeds, so when the edits leave nothing to append (the new prompt ends
     in tokens the old list already held, or is the old list) the last token of `new` is cut by
     the edits and fed again. `apply_to_list(old, directives) + tail == list(new)` still holds."""
-    ds, tail = detect_edits(old, new, mode=mode, min_keep=min_keep)
+    ds, tail = detect_edits(old, new, mode=mode, min_keep=min_keep, protect=protect)
     if tail or not new:
         return ds, tail
-    ds, tail = detect_edits(old, list(new)[:-1], mode=mode, min_keep=min_keep)
+    ds, tail = detect_edits(old, list(new)[:-1], mode=mode, min_keep=min_keep, protect=protect)
     return ds, tail + [int(new[-1])]
 
 
@@ -95,6 +100,7 @@ def compose(
     *,
     mode: Mode = Mode.AMORTIZE,
     min_keep: int = MIN_KEEP,
+    protect: Sequence[tuple[int, int]] = (),
 ) -> tuple[list[Directive], list[int]]:
     """A whole prompt with explicit `directives` in the prompt's own coordinates (a valid,
     sorted batch for `prompt`: `directives.validate`), against a session's tokens `old`:
@@ -112,7 +118,7 @@ def compose(
     old, prompt = [int(t) for t in old], [int(t) for t in prompt]
     final = apply_to_list(prompt, directives)
     if not directives:
-        return edits_and_feed(old, prompt, mode=mode, min_keep=min_keep)
+        return edits_and_feed(old, prompt, mode=mode, min_keep=min_keep, protect=protect)
     n = len(old)
     if prompt[:n] == old:
         inside = [d for d in directives if d.start < n]
@@ -122,4 +128,4 @@ def compose(
         if tail and apply_to_list(old, ds) == final[:kept]:
             return ds, tail
     m = strongest([mode, *(d.mode for d in directives)])
-    return edits_and_feed(old, final, mode=m, min_keep=min_keep)
+    return edits_and_feed(old, final, mode=m, min_keep=min_keep, protect=protect)

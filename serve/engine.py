@@ -309,7 +309,9 @@ class Engine:
         pages = list(pages)
         if len(pages) != -(-cached // self.page_size):
             raise ValueError(f"{len(pages)} pages for {cached} cached tokens of {self.page_size}")
-        s = Session(int(session), toks, last_used=time.perf_counter())
+        s = Session(
+            int(session), toks, last_used=time.perf_counter(), lineage=f"session:{int(session)}"
+        )
         if cached:
             free = self._free_slots()
             if not free:
@@ -593,20 +595,39 @@ class Engine:
         cached KV the turn keeps and what it feeds)."""
         s, vocab = req.session, self.model.config.vocab_size
         if req.prompt is not None:
-            ds, new = compose(s.tokens, req.prompt, req.directives, mode=req.mode)
+            ds, new = compose(s.tokens, req.prompt, req.directives, mode=req.mode, protect=s.pins)
         else:
             ds, new = req.directives, req.new_tokens
         ds = dv.validate(ds, len(s.tokens), vocab, s.tokens)
-        spans.check_pins(s.pins, ds)
         if any(d.mode is Mode.DECAY for d in ds):
+            spans.check_pins(s.pins, ds)
             ds = self._resolve_decays(s, ds)
         edited = dv.apply_to_list(s.tokens, ds)
         if not new and not edited:
             raise dv.DirectiveError("the turn would leave the session empty: it adds no token")
         prompt = edited + list(new)
+        spans.check_pins(s.pins, self._pin_edits(s.tokens, ds, prompt))
         if req.prompt is None:
             req.scratch = spans.check_spans(req.scratch, len(prompt), "scratch span")
         return TurnPlan(ds, prompt)
+
+    @staticmethod
+    def _pin_edits(tokens: list[int], ds, prompt: list[int]) -> list[ll.Directive]:
+        """The directives that edit the session's text, for its pins: all but a deletion of
+        its end whose tokens the prompt feeds again at the same place (how a turn re-feeds a
+        cached last token: `serve.edits.edits_and_feed`), which changes no token."""
+        out, shift = [], 0
+        for d in ds:
+            at = d.start + shift
+            refeed = (
+                not d.replacement
+                and d.end == len(tokens)
+                and prompt[at : at + d.end - d.start] == tokens[d.start : d.end]
+            )
+            if not refeed:
+                out.append(d)
+            shift += d.delta
+        return out
 
     def _resolve_decays(self, s: Session, ds: list[ll.Directive]) -> list[ll.Directive]:
         """DECAY directives resolved into MOVEs of the tokens they keep, chosen from the
@@ -668,16 +689,31 @@ class Engine:
             # will cut there whenever it runs; a turn that then waits leaves its session cut)
             self._cut(s, plan.directives, kvp.cut)
         if not self._make_room(need, s):
-            return "wait"
+            return self._wait_or_fail(req, f"{need} pages")
         fresh = s.seq is None
         if fresh and not self._take_slot(s):
-            return "wait"
+            return self._wait_or_fail(req, "a sequence slot")
         try:
             self._start(req, plan, kvp)
         except ll.OutOfPagesError:  # the accounting above is an upper bound: not expected
             s.active, req.status = None, "queued"
             return "wait"
         return "admitted"
+
+    def _wait_or_fail(self, req: Request, what: str) -> str:
+        """A turn that found no room waits while other turns run (they will free theirs); with
+        none running, only pins hold what it needs (everything else can be evicted or
+        offloaded), so it fails rather than wait for an unpin."""
+        if self._running():
+            return "wait"
+        pinned = [x.id for x in self.sessions.values() if x.pins and x.seq is not None]
+        return self._fail(
+            req,
+            RequestError(
+                f"the turn needs {what} that only pinned KV holds (sessions {pinned} hold pins; "
+                f"{len(self._pinned_pages())} pages are pinned): unpin some to make room"
+            ),
+        )
 
     def _movable(self, kvp: KVPlan) -> KVPlan:
         """The plan with every spliced MOVE whose sources the KV does not hold through the cut
@@ -694,9 +730,14 @@ class Engine:
         """Evict radix leaves, then offload idle sessions, until `need` pages are available."""
         while self._available() < need:
             trees = [] if self.radix is None else [self.radix, *self._private.values()]
+            held = collections.Counter(p for tree in trees for p in tree.pages())
             pages = []
             for tree in trees:
-                pages = tree.evict(need - self._available(), self.state.refcount)
+                # a page another tree also holds is evictable here when only the trees hold it
+                refs = self.state.refcount.copy()
+                for p, n in (held - collections.Counter(tree.pages())).items():
+                    refs[p] -= n
+                pages = tree.evict(need - self._available(), refs)
                 if pages:
                     break
             if pages:
@@ -801,7 +842,7 @@ class Engine:
                 st.moved_tokens = done.moved
             s.clean = lineage.clean_after_edit(s.clean, kvp)
             s.cached = kvp.kept
-        s.pins = spans.remap(s.pins, plan.directives)
+        s.pins = spans.remap(s.pins, self._pin_edits(s.tokens, plan.directives, prompt))
         if self.move if req.move is None else req.move:
             s.private = True
             self._move(req, prompt)
@@ -886,10 +927,13 @@ class Engine:
         if not ds or s.seq is None or len(dv.apply_to_list(s.tokens, ds)) == 0:
             return
         cached = [ll.Directive(d.start, min(d.end, s.cached)) for d in ds if d.start < s.cached]
+        if sum(d.end - d.start for d in cached) == s.cached:  # nothing of the KV is left
+            self._offload(s)
+            cached = []
         try:
             if cached:
                 self.state = ll.apply_directives(self.model, self.state, s.seq, cached)
-        except ll.OutOfPagesError:
+        except (ll.OutOfPagesError, ll.DirectiveError):
             self.counters["scratch_deferred"] += 1
             return
         removed = sum(d.end - d.start for d in ds)

