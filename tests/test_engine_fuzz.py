@@ -821,7 +821,6 @@ def test_engine_fuzz(model):
         "offloads",
         "radix_paths_checked",
         "pins",
-        "pinned_turns",
         "pin_refusals",
         "scratch_turns",
         "moved_turns",
