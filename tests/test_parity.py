@@ -4,9 +4,10 @@ Tolerances (fp32): end to end, the reference logits are the transformers model's
 (`hf_logits`), so the error measured is ours alone, not also the reference's: a machine's torch
 build may take a less exact float32 path (one CI machine's float32 reference was 70x noisier
 than this one's while our logits were bit-identical). Our float32 forward lands around 1e-6 of
-the float64 reference (measured); components compare float32 to float32. The bound 1e-4 = max|ours - HF| / max|HF| is the project-wide fp32 bound: two orders
-above the noise, and far below what a real mistake (wrong pairing, wrong scale, a missed factor)
-gives, as the mismatched cases below show.
+the float64 reference (measured); components compare float32 to float32. The bound 1e-4 =
+max|ours - HF| / max|HF| is the project-wide fp32 bound: two orders above the noise, and far
+below what a real mistake (wrong pairing, wrong scale, a missed factor) gives, as the
+mismatched cases below show.
 """
 
 from __future__ import annotations
