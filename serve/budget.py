@@ -72,8 +72,15 @@ def need(page_size: int, plan: TurnPlan, max_new: int, kvp: KVPlan | None) -> tu
         return -(-final // ps) + 1, 0
     held = -(-kvp.cut // ps)
     if kvp.splices:
-        return -(-final // ps) - kvp.splices[0].start // ps + 1, held
+        return splice_need(ps, final, kvp.splices[0].start), held
     return -(-final // ps) - held + int(kvp.cut % ps > 0), held
+
+
+def splice_need(page_size: int, length: int, first: int) -> int:
+    """Pages a splice whose first edit starts at `first` may take from the pool, for a
+    sequence `length` tokens long afterwards: it copies the kept tokens from that edit's page
+    on into fresh pages before the old ones are released."""
+    return -(-length // page_size) - first // page_size + 1
 
 
 def still_needs(state: PagedKVState, seq: int, pending: int, new_left: int) -> int:

@@ -17,6 +17,7 @@ region are not worth a separate edit, each of which costs a prefill call.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from collections.abc import Sequence
 
@@ -122,7 +123,8 @@ def compose(
     n = len(old)
     if prompt[:n] == old:
         inside = [d for d in directives if d.start < n]
-        ds = [Directive(d.start, min(d.end, n), d.replacement, d.mode) for d in inside]
+        # each as given (its mode, sources, pin override), its end cut at old's end
+        ds = [dataclasses.replace(d, end=min(d.end, n)) for d in inside]
         kept = len(apply_to_list(old, ds))
         tail = final[kept:]
         if tail and apply_to_list(old, ds) == final[:kept]:

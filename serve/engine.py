@@ -61,6 +61,7 @@ from leyline_jax.sharding import MeshConfig, shard_model
 from serve import budget, lineage, spans
 from serve.budget import KVPlan, TurnPlan
 from serve.edits import compose
+from serve.lineage import OWN_LINEAGE
 from serve.radix import RadixCache
 from serve.sampling import SamplingParams, is_int, sample
 
@@ -74,6 +75,17 @@ __all__ = [
     "TurnStats",
     "sample",
 ]
+
+
+def _no_page_sources(ds) -> None:
+    """A caller's MOVE takes its sources from the session's own tokens: sources in other pages
+    (`Source.pages`) are the engine's to choose (within a lineage), never a caller's."""
+    for d in ds:
+        if any(x.pages for x in d.sources):
+            raise dv.DirectiveError(
+                f"directive [{d.start}, {d.end}): a MOVE source with pages= reads KV the "
+                "session does not hold; a turn's MOVE sources are positions in its session"
+            )
 
 
 class RequestError(RuntimeError):
@@ -124,6 +136,7 @@ class Request:
         self.scratch: list[tuple[int, int]] = []  # SCRATCH spans of the turn's prompt
         self.scratch_tags: tuple[tuple[int, ...], tuple[int, ...]] | None = None
         self.move: bool | None = None  # MOVE for this turn (None: the engine's default)
+        self.decays: list | None = None  # the directives with DECAY resolved, once
 
     @property
     def finished(self) -> bool:
@@ -164,6 +177,9 @@ class Session:
     pins: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # PIN spans
     lineage: str = ""  # radix pages it inserted may be MOVE sources for this lineage only
     private: bool = False  # it ran MOVE: its non-clean KV is cached for its lineage only
+    # its KV holds KV moved from radix pages (another session's history): its non-clean KV
+    # then stays its own (never cached for the lineage) until the KV starts again
+    foreign: bool = False
 
 
 class Engine:
@@ -220,13 +236,18 @@ class Engine:
         copy into it: those that sessions of the same lineage cached (like vLLM's
         `cache_salt`, it keeps one tenant's KV from being moved into another's prompt;
         exact-prefix hits are shared as before)."""
-        sid = next(self._ids)
         if lineage is not None and not isinstance(lineage, str):
             raise ValueError(f"lineage must be a string, got {lineage!r}")
+        if lineage is not None and lineage.startswith(OWN_LINEAGE):
+            raise ValueError(
+                f"lineage {lineage!r}: names starting with {OWN_LINEAGE!r} are the engine's "
+                "(a session's own lineage)"
+            )
+        sid = next(self._ids)
         self.sessions[sid] = Session(
             sid,
             last_used=time.perf_counter(),
-            lineage=f"session:{sid}" if lineage is None else lineage,
+            lineage=f"{OWN_LINEAGE}{sid}" if lineage is None else lineage,
         )
         return sid
 
@@ -377,6 +398,7 @@ class Engine:
         for d in ds:
             if not isinstance(d, ll.Directive):
                 raise dv.DirectiveError(f"{d!r} is not a Directive")
+        _no_page_sources(ds)
         req = Request(self, s, toks, ds, sampling)
         self._turn_options(req, scratch, scratch_tags, move, None)
         return self._queue(req)
@@ -438,6 +460,7 @@ class Engine:
                 "a DECAY's text depends on the session's KV: send it with submit (session "
                 "coordinates), not inside a whole prompt"
             )
+        _no_page_sources(ds)
         final = dv.apply_to_list(toks, ds)
         if not final:
             raise dv.DirectiveError("the directives leave the prompt empty")
@@ -463,12 +486,17 @@ class Engine:
         return req
 
     def close_session(self, session: int) -> None:
-        """Close a session after its turns finish; its clean prefix stays in the radix cache."""
+        """Close a session after its turns finish; its clean prefix stays in the radix cache
+        (and, after MOVE, its other KV in its lineage's private tree, unless the lineage was
+        its own)."""
         s = self._session(session)
         if s.active is not None or s.queue:
             raise ValueError(f"session {session} still has turns in flight")
         self._offload(s)
         del self.sessions[session]
+        tree = self._private.pop(s.lineage, None) if s.lineage.startswith(OWN_LINEAGE) else None
+        if tree is not None:  # no later session can have its own lineage
+            self.state = paged.release(self.state, tree.clear())
 
     def cancel(self, request: Request) -> bool:
         """End a queued or running turn where it stands (between steps), failing it with
@@ -601,7 +629,11 @@ class Engine:
         ds = dv.validate(ds, len(s.tokens), vocab, s.tokens)
         if any(d.mode is Mode.DECAY for d in ds):
             spans.check_pins(s.pins, ds)
-            ds = self._resolve_decays(s, ds)
+            # resolved once, from the KV as the turn first finds it: a turn that waits may cut
+            # or lose its session's KV meanwhile (its text is fixed by then)
+            if req.decays is None:
+                req.decays = self._resolve_decays(s, ds)
+            ds = req.decays
         edited = dv.apply_to_list(s.tokens, ds)
         if not new and not edited:
             raise dv.DirectiveError("the turn would leave the session empty: it adds no token")
@@ -782,7 +814,7 @@ class Engine:
             return None
         self._cache_prefix(s)
         self.state = paged.free(self.state, seq)
-        s.seq, s.cached, s.clean = None, 0, 0
+        s.seq, s.cached, s.clean, s.foreign = None, 0, 0, False
         self.counters["offloads"] += 1
         return seq
 
@@ -793,7 +825,12 @@ class Engine:
             )
             for p in taken:
                 self._page_lineage[p] = s.lineage
-            if s.private and self.radix is not None and s.cached // self.page_size:
+            if (
+                s.private
+                and not s.foreign
+                and self.radix is not None
+                and s.cached // self.page_size
+            ):
                 tree = self._private.setdefault(s.lineage, RadixCache(self.page_size))
                 self.state, _ = lineage.cache_prefix(tree, self.state, s.seq, s.tokens, s.cached)
 
@@ -903,10 +940,11 @@ class Engine:
             return
         try:
             self.state, done = ll.apply_directives(self.model, self.state, s.seq, [d], report=True)
-        except (ll.OutOfPagesError, ll.DirectiveError):
+        except ll.OutOfPagesError:
             self.counters["moves_skipped"] += 1
             return
         s.cached += len(d.replacement)
+        s.foreign = s.foreign or any(x.pages for x in d.sources)
         st.spliced_tokens += done.moved
         st.moved_tokens += done.moved
         self.counters["moved"] += done.moved
@@ -927,13 +965,19 @@ class Engine:
         if not ds or s.seq is None or len(dv.apply_to_list(s.tokens, ds)) == 0:
             return
         cached = [ll.Directive(d.start, min(d.end, s.cached)) for d in ds if d.start < s.cached]
-        if sum(d.end - d.start for d in cached) == s.cached:  # nothing of the KV is left
+        left = s.cached - sum(d.end - d.start for d in cached)
+        if not left:  # nothing of the KV is left
             self._offload(s)
             cached = []
+        # only pages no running turn may still take
+        need = budget.splice_need(self.page_size, left, cached[0].start) if cached else 0
+        if need > self._available():
+            self.counters["scratch_deferred"] += 1
+            return
         try:
             if cached:
                 self.state = ll.apply_directives(self.model, self.state, s.seq, cached)
-        except (ll.OutOfPagesError, ll.DirectiveError):
+        except ll.OutOfPagesError:  # not expected (checked above); the spans stay
             self.counters["scratch_deferred"] += 1
             return
         removed = sum(d.end - d.start for d in ds)

@@ -18,6 +18,10 @@ from leyline_jax.kv_state import PagedKVState
 from serve.budget import KVPlan
 from serve.radix import RadixCache
 
+# a session opened without a lineage has its own, "session:<id>": names with this prefix are
+# the engine's, never a caller's
+OWN_LINEAGE = "session:"
+
 
 def cache_prefix(
     radix: RadixCache | None, state: PagedKVState, seq: int, tokens: Sequence[int], clean: int

@@ -23,6 +23,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from serve.lineage import OWN_LINEAGE
+
 __all__ = [
     "SESSION_ID",
     "ChatCompletionRequest",
@@ -176,6 +178,13 @@ class LeylineOptions(_Closed):
     # the lineage a new session joins (like vLLM's cache_salt: only sessions of one lineage
     # MOVE each other's KV); default: its own
     lineage: str | None = Field(None, min_length=1, max_length=256)
+
+    @field_validator("lineage")
+    @classmethod
+    def _not_own(cls, v):
+        if v is not None and v.startswith(OWN_LINEAGE):
+            raise ValueError(f"names starting with {OWN_LINEAGE!r} are the engine's own")
+        return v
 
     @field_validator("directives")
     @classmethod

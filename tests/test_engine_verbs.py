@@ -428,6 +428,32 @@ def test_bad_scratch_spans(model):
         eng.submit(s, [1], scratch_tags=([1],))
 
 
+def test_scratch_leaves_the_pages_a_running_turn_was_promised(model):
+    """A 12-page pool: A's turn (10 prompt tokens, 38 to generate: 6 pages) and B's (31
+    prompt tokens, one to generate) are admitted together; B finishes first, its three full
+    pages also in the radix cache. Splicing B's scratch span out copies its kept KV into fresh
+    pages while the radix keeps the old ones: more than the pool has beyond what A may still
+    take, so the span stays (deferred) and A runs to its end. In a roomy pool the same span
+    is spliced out."""
+    for pages in (TIGHT, ROOMY):
+        eng = make(model, pages)
+        a, b = eng.open_session(), eng.open_session()
+        ra = eng.submit(a, toks(10, 47), sampling=SamplingParams(38))
+        prompt = toks(31, 48)
+        rb = eng.submit_prompt(b, prompt, scratch=[(1, 2)], sampling=SamplingParams(1))
+        eng.step()
+        assert ra.status == "decode" and rb.finished  # both admitted, B done in one step
+        eng.run_until_idle()
+        assert ra.error is None and len(ra.output) == 38, ra.error
+        assert rb.error is None
+        if pages == TIGHT:
+            assert eng.counters["scratch_deferred"] == 1
+            assert eng.sessions[b].tokens == prompt + rb.output
+        else:
+            assert eng.counters["scratch_deferred"] == 0
+            assert eng.sessions[b].tokens == prompt[:1] + prompt[2:] + rb.output
+
+
 # ---- MOVE -----------------------------------------------------------------------------------
 X = toks(30, 50)
 
@@ -575,3 +601,80 @@ def test_decay_through_submit(model):
     r = eng.submit(s, [1], directives=[Directive(2, 6, (), Mode.DECAY, budget=1)])
     eng.run_until_idle()
     assert isinstance(r.error, DirectiveError) and "DECAY" in str(r.error)
+
+
+def test_kv_moved_from_radix_pages_stays_with_its_session(model):
+    """KV a MOVE copied from radix pages was computed in another session's history: the
+    session holding it never caches its non-clean KV for the lineage, so after it closes a
+    new session of the lineage sending the same prompt reuses nothing of it (a FORGET of the
+    source's history can then take it all back: the radix purge reaches the source pages,
+    and no copy sits in a tree). KV a session moved within its own tokens still is cached for
+    its lineage, and a session of its own lineage leaves no private tree behind."""
+    eng = make(model, move=True)
+    a = eng.open_session(lineage="t")
+    turn(eng, a, X + toks(4, 51), n=1)
+    eng.close_session(a)
+    b = eng.open_session(lineage="t")
+    prompt = toks(5, 52) + X[8:24] + toks(6, 53)
+    r = turn(eng, b, prompt, n=4)
+    assert r.stats.moved_tokens == 16
+    again = list(eng.sessions[b].tokens)
+    eng.close_session(b)
+    r = turn(eng, eng.open_session(lineage="t"), again, n=1)
+    assert r.stats.reused_tokens == 0, r.stats
+
+    own = X + toks(2, 58) + X[4:20] + toks(3, 59)  # a run of its own tokens, moved
+    for lineage in ("u", None):
+        private = len(eng.cache_pages()) - len(eng.radix.pages())  # the private trees' pages
+        c = eng.open_session(lineage=lineage)
+        turn(eng, c, X, n=1)
+        r = turn(eng, c, own[31:], n=1)
+        assert r.stats.moved_tokens == 16, lineage
+        kept = list(eng.sessions[c].tokens)
+        eng.close_session(c)
+        if lineage is None:  # its lineage is its own: nothing of it stays private
+            assert len(eng.cache_pages()) - len(eng.radix.pages()) == private
+        else:
+            r = turn(eng, eng.open_session(lineage="u"), kept, n=1)
+            assert r.stats.reused_tokens >= len(kept) // PS * PS - PS, r.stats
+
+
+def test_callers_cannot_name_engine_pages_or_lineages(model):
+    """A MOVE source in other pages (`Source.pages`) is the engine's to choose: `submit` and
+    `submit_prompt` refuse one at once (DirectiveError, nothing queued); a lineage named like
+    a session's own ("session:<id>") is refused by `open_session` (ValueError)."""
+    eng = make(model)
+    s = eng.open_session()
+    turn(eng, s, toks(20, 61))
+    n = len(eng.sessions[s].tokens)
+    d = Directive(n, n, (1, 2), Mode.MOVE, sources=(Source(0, 0, 2, pages=(0,)),))
+    with pytest.raises(DirectiveError, match="pages="):
+        eng.submit(s, [1], directives=[d])
+    with pytest.raises(DirectiveError, match="pages="):
+        eng.submit_prompt(s, eng.sessions[s].tokens + [1, 2], directives=[d])
+    assert not eng._queued
+    with pytest.raises(ValueError, match="session:"):
+        eng.open_session(lineage=f"session:{s}")
+
+
+def test_explicit_directives_in_a_whole_prompt_keep_their_options(model):
+    """`submit_prompt` with an explicit directive inside the session's tokens (the prompt
+    extends them): the directive is spliced as given, its pin override too, so a pinned span
+    it edits is edited (and unpinned) rather than the turn refused; without the override the
+    turn fails and nothing changes."""
+    eng = make(model)
+    s = eng.open_session()
+    turn(eng, s, toks(24, 62))
+    eng.pin(s, 4, 10)
+    prompt = list(eng.sessions[s].tokens) + [5, 6]
+    before = look(eng, s)
+    r = eng.submit_prompt(s, prompt, directives=[Directive(6, 8, (9,))])
+    eng.run_until_idle()
+    assert isinstance(r.error, DirectiveError) and "pinned" in str(r.error)
+    assert same(look(eng, s), before)
+    d = Directive(6, 8, (9,), override_pin=True)
+    r = eng.submit_prompt(s, prompt, directives=[d], sampling=SamplingParams(1))
+    eng.run_until_idle()
+    assert r.error is None and r.stats.spliced_tokens > 0
+    assert eng.sessions[s].tokens[:-1] == prompt[:6] + [9] + prompt[8:]
+    assert eng.pins(s) == []

@@ -277,6 +277,7 @@ def test_completions_text_and_token_ids(client):
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"leyline": {"mode": "sideways"}}, "leyline.mode"),
         ({"leyline": {"typo": 1}}, "leyline.typo"),
+        ({"leyline": {"lineage": "session:0"}}, "leyline.lineage"),  # a session's own
         ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]},
          "tools.0.function.name"),
         ({"stream": "maybe"}, "stream"),
