@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 
 import jax.numpy as jnp
 import numpy as np
@@ -42,22 +43,21 @@ def assert_logits_match(ours, ref, rel: float = FP32_REL) -> None:
     )
 
 
-_F64: dict[int, torch.nn.Module] = {}
+@functools.lru_cache(maxsize=1)  # one copy at a time: the real model's is a gigabyte
+def _float64(hf) -> torch.nn.Module:
+    """A float64 copy of a transformers model, experts run by transformers' plain loop
+    (grouped_mm takes no float64); the float32 model is left as it is."""
+    f64 = copy.deepcopy(hf).to(torch.float64)
+    if f64._can_set_experts_implementation():
+        f64.set_experts_implementation("eager")
+    return f64
 
 
 def hf_logits(hf, tokens) -> np.ndarray:
-    """The reference's logits f64[T, vocab], from a float64 copy of the transformers model
-    (made once per model, experts run by transformers' plain loop; the float32 model is left as
-    it is)."""
-    if id(hf) not in _F64:
-        _F64.clear()  # one copy at a time: the real model's is a gigabyte
-        f64 = copy.deepcopy(hf).to(torch.float64)
-        if f64._can_set_experts_implementation():  # grouped_mm takes no float64: the loop
-            f64.set_experts_implementation("eager")
-        _F64[id(hf)] = f64
+    """The reference's logits f64[T, vocab], from the model's float64 copy (`_float64`)."""
     with torch.no_grad():
         ids = torch.tensor(np.asarray(tokens), dtype=torch.long)[None]
-        return _F64[id(hf)](ids).logits[0].numpy()
+        return _float64(hf)(ids).logits[0].numpy()
 
 
 def t2n(t: torch.Tensor) -> np.ndarray:
