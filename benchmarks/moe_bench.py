@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import measure_read_bandwidth, median_time
-from leyline_jax.model import moe_experts_dense, moe_experts_grouped, prefers_grouped
+from leyline_jax.moe import moe_experts_dense, moe_experts_grouped, prefers_grouped
 
 # DeepSeek-V2-Lite's routed experts
 V2_LITE = dict(e=64, k=6, h=2048, i=1408)

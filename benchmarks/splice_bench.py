@@ -51,9 +51,9 @@ import numpy as np
 import leyline_jax as ll
 from benchmarks.common import BENCH_HF_CONFIG, measure_copy_bandwidth, median_time
 from checkpoints.tiny import write_random_checkpoint
-from leyline_jax import directives as dv
+from leyline_jax import allocator, splice
 from leyline_jax import kv_state as kv
-from pallas_kernels.splice_rotate import Runs, phase_table, plan_runs, splice_rotate_ref
+from pallas_kernels.splice_rotate import phase_table, plan_runs, splice_rotate_ref
 
 PREFIX, SPAN, STUB, PAGE = 1024, 64, 16, 16
 
@@ -71,7 +71,7 @@ def _random_kv(pools, slots, key):
 
 def _append_random(state, seq: int, tokens, key):
     """Reserve slots for `tokens` (host bookkeeping) and write random KV there."""
-    state, plan = kv.append(state, [seq], [np.asarray(tokens, np.int32)])
+    state, plan = allocator.append(state, [seq], [np.asarray(tokens, np.int32)])
     return state.replace(pools=_random_kv(state.pools, jnp.asarray(plan.slots[0]), key))
 
 
@@ -116,7 +116,7 @@ def time_splice_only(model, downstream: int, repeats: int) -> float:
     j = np.where(i < PREFIX, i, i - SPAN + STUB)
     free = np.flatnonzero(np.asarray(state.refcount) == 0)
     row = np.concatenate([old[: first // PAGE], free])
-    runs = _padded(
+    runs = splice.padded_runs(
         plan_runs(old[i // PAGE] * PAGE + i % PAGE, row[j // PAGE] * PAGE + j % PAGE, i, j)
     )
     inv = jnp.asarray(c.rope_inv_freq())
@@ -124,22 +124,10 @@ def time_splice_only(model, downstream: int, repeats: int) -> float:
     box = {"pools": state.pools}
 
     def run():  # the step apply_directive runs: `splice_rotate` over every layer's pool, donated
-        box["pools"] = _splice(box["pools"], runs, inv, table)
+        box["pools"] = splice.splice_pools(box["pools"], runs, inv, table, impl="jnp")
         return box["pools"].rotated[-1]
 
     return median_time(run, repeats=repeats)
-
-
-def _padded(runs: Runs) -> Runs:
-    """Runs padded (length 0) to the move bucket the directive would use."""
-    m = 1 << max(4, (len(runs.src) - 1).bit_length())
-    return Runs(*(jnp.asarray(np.pad(a, (0, m - len(a)))) for a in runs))
-
-
-def _splice(pools, runs: Runs, inv, table):
-    """The directive's splice step on the jnp path (its argument order)."""
-    args = runs.src, runs.dst, runs.pos_from, runs.pos_to, inv, table, runs.length
-    return dv._splice_step(pools, *args, impl="jnp")
 
 
 # ---- the splice pass alone, implementations side by side ----------------------------------
@@ -253,7 +241,7 @@ def splice_passes(config, downstream: int, layout: str, repeats: int) -> dict:
     src, dst, pos_from, pos_to = splice_moves(downstream, layout, num_pages)
     runs = plan_runs(src, dst, pos_from, pos_to, max_run=PAGE)
     n_runs, mean_run = len(runs.src), float(runs.length.mean())
-    runs = _padded(runs)
+    runs = splice.padded_runs(runs)
     m = 1 << (len(src) - 1).bit_length()
     fills = (0, num_pages * PAGE, 0, 0)  # padding rows: destination "nowhere"
     rows = [
@@ -266,7 +254,7 @@ def splice_passes(config, downstream: int, layout: str, repeats: int) -> dict:
     pools = _random_kv(state.pools, jnp.asarray(src, jnp.int32), jax.random.PRNGKey(0))
     k_dtype = pools.rotated_dtype
     steps = {
-        "splice": lambda p: _splice(p, runs, inv, table),
+        "splice": lambda p: splice.splice_pools(p, runs, inv, table, impl="jnp"),
         "rows": lambda p: _rows_pass(p, *rows, inv, table, k_dtype=k_dtype),
         "pieces": lambda p: _pieces_pass(p, runs, inv, table, k_dtype=k_dtype, max_run=PAGE),
     }

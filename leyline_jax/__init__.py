@@ -12,6 +12,7 @@ Dimension letters used in shape comments across the package:
     G KV heads (GQA)       D head dimension (GQA)
 """
 
+from leyline_jax.allocator import fork, free
 from leyline_jax.config import ConfigError, MLAConfig
 from leyline_jax.directives import (
     Applied,
@@ -33,7 +34,7 @@ from leyline_jax.kv_state import (
 )
 from leyline_jax.loader import CheckpointError, CheckpointNotFoundError, load_model
 from leyline_jax.model import CausalLM, MLAModel
-from leyline_jax.paged import decode, fork, free, prefill
+from leyline_jax.paged import decode, prefill
 from leyline_jax.sharding import MeshConfig, shard_model
 
 __all__ = [

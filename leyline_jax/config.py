@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from leyline_jax import rope
+
 FAMILIES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")
 
 # Routing rules, one per family behaviour (see `leyline_jax.model.route`).
@@ -253,15 +255,7 @@ class MLAConfig:
 
     def rope_inv_freq(self) -> np.ndarray:
         """f32[width / 2]: the inverse frequencies of one row of the rotated band."""
-        from leyline_jax import rope  # rope reads this config: imported where used
-
         return rope.inv_freq(self)
-
-    def attention(self, dtype):
-        """A new (zero) attention module of this family (`leyline_jax.model.MLAAttention`)."""
-        from leyline_jax.model import MLAAttention  # the model imports this module
-
-        return MLAAttention(self, dtype)
 
 
 # Where a config.json omits a field, transformers uses its config class default, and those

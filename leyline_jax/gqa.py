@@ -5,8 +5,8 @@ or a GGUF file's metadata), its attention module (`GQAAttention`: q/k/v/o projec
 `num_key_value_heads` KV heads, RoPE on the whole head dimension), its Hugging Face tensor table
 and converter. The decoder around it (RMSNorm, SwiGLU MLP, tied or separate LM head) is the
 shared `leyline_jax.model.CausalLM`; the paged state, the ragged step, the splice kernel and the
-directives are the same as MLA's, asked through the seam (`kv_bands`, `rope_inv_freq`,
-`attention`).
+directives are the same as MLA's, asked through the seam (`kv_bands`, `rope_inv_freq`; the
+decoder takes this family's attention module from `leyline_jax.model.ATTENTION`).
 
 Bands. In GQA all of K carries position: a splice moves V unchanged and moves and rotates K.
 Each cached slot holds `[G, Dh]` of each (G KV heads, one row per head, each row of K in the
@@ -17,7 +17,6 @@ with the head's own inverse frequencies.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -30,7 +29,7 @@ from flax import nnx
 from leyline_jax import kv_state as kv
 from leyline_jax import rope
 from leyline_jax.config import Bands, ConfigError, read_hf_config
-from leyline_jax.model import Linear
+from leyline_jax.layers import Linear
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
 MODEL_TYPES = ("llama",)
@@ -106,9 +105,6 @@ class GQAConfig:
         """f32[head_dim / 2]: the inverse frequencies of one row (one head) of K."""
         return rope.inv_freq(self)
 
-    def attention(self, dtype) -> GQAAttention:
-        return GQAAttention(self, dtype)
-
     # ---- (de)serialisation -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -159,11 +155,6 @@ class GQAConfig:
             raise ConfigError(f"config.json has a bad value: {e}") from e
 
 
-@functools.lru_cache(maxsize=32)
-def _inv_freq(config: GQAConfig) -> np.ndarray:
-    return config.rope_inv_freq()
-
-
 def gqa_attention(q, k, v, mask, scale: float, *, mass: bool = False):
     """[T, N, D] queries over [S, G, D] keys and values (query head n reads KV head
     n // (N / G)); bool[T, S] mask -> [T, N, D]. Scores and softmax in fp32. With `mass=True`
@@ -191,7 +182,7 @@ class GQAAttention(nnx.Module):
     def qkv(self, x, positions):
         """[T, H], i32[T] -> q [T, N, D], k [T, G, D] (both position embedded), v [T, G, D]."""
         c = self.config
-        t, inv = x.shape[0], _inv_freq(c)
+        t, inv = x.shape[0], rope.inv_freq(c)
         q = self.q_proj(x).reshape(t, c.num_attention_heads, c.head_dim)
         k = self.k_proj(x).reshape(t, c.num_key_value_heads, c.head_dim)
         v = self.v_proj(x).reshape(t, c.num_key_value_heads, c.head_dim)

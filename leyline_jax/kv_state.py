@@ -17,9 +17,10 @@ The state is still a value: each operation returns a new `PagedKVState` (host ar
 copied where they change, never written in place) and consumes the pools of the one it was
 given.
 
-Sharing. Pages carry reference counts; a page is free when its count is 0. `fork_seq` shares
-every page of a sequence; a page referenced more than once is never written: appending to a
-sequence whose partial last page is shared first copies that page (copy on write).
+Sharing. Pages carry reference counts; a page is free when its count is 0; a page referenced
+more than once is never written (copy on write). Every decision about pages and references is
+`leyline_jax.allocator`' (the allocator); this module holds the state and the pools' device
+operations.
 
 Storage. A 16-bit float band (the bf16 moved band by default) is stored as its raw bits (uint16) and
 viewed as floats only where rows are read (`from_storage`): XLA:CPU runs a float-16 scatter by
@@ -39,6 +40,17 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from leyline_jax.allocator import OutOfPagesError, SequenceError, check_seq, pages_for
+
+__all__ = ["OutOfPagesError", "SequenceError", "KVPools", "PagedKVState", "init_state", "tokens"]
+
+
+def bucket(n: int, minimum: int = 1, maximum: int | None = None) -> int:
+    """Smallest power of two >= max(n, minimum), capped at `maximum`: the shapes jitted steps
+    over the pools are padded to."""
+    b = 1 << (max(n, minimum) - 1).bit_length()
+    return b if maximum is None else min(b, maximum)
 
 
 def storage_dtype(dtype):
@@ -60,14 +72,6 @@ def from_storage(x, dtype):
     """Storage -> values of `dtype` (bit-exact; apply to gathered rows, not to a pool)."""
     dtype = jnp.dtype(dtype)
     return x if x.dtype == dtype else jax.lax.bitcast_convert_type(x, dtype)
-
-
-class OutOfPagesError(RuntimeError):
-    """The page pool cannot hold the result. Raised before any state changes."""
-
-
-class SequenceError(ValueError):
-    """A sequence id that is out of range, not open, or already open."""
 
 
 @jax.tree_util.register_dataclass
@@ -149,6 +153,15 @@ class PagedKVState:
                     _frozen(row)
         return dataclasses.replace(self, **changes)
 
+    def zeroed(self, pages) -> PagedKVState:
+        """The state with whole pages `pages` (host ids) zeroed in every layer, on the device
+        (donates this state's pools): what a purge does to KV nobody may read again."""
+        if not len(pages):
+            return self
+        padded = np.full(bucket(len(pages)), self.num_pages, np.int32)
+        padded[: len(pages)] = pages
+        return self.replace(pools=_zero_pages(self.pools, jnp.asarray(padded)))
+
     # every layer's bands stacked, [L, P, page_size, *shape] storage (a copy: for inspection)
     moved = property(lambda self: jnp.stack(self.pools.moved))
     rotated = property(lambda self: jnp.stack(self.pools.rotated))
@@ -216,7 +229,7 @@ def init_state(
     ):
         raise ValueError(f"max_seq_len={max_seq_len!r} must be a positive integer")
     max_seq_len = int(max_seq_len)
-    max_pages = -(-max_seq_len // page_size)
+    max_pages = pages_for(max_seq_len, page_size)
     kv_dtype = jnp.dtype(kv_dtype)
     k_pe_dtype = jnp.dtype(jnp.float32 if k_pe_dtype is None else k_pe_dtype)
     for name, dt in (("kv_dtype", kv_dtype), ("k_pe_dtype", k_pe_dtype)):
@@ -257,172 +270,6 @@ def init_state(
     )
 
 
-# ---- page accounting: the one owner -----------------------------------------------------------
-def pages_needed(length, count, last_page_shared, page_size: int):
-    """Pages an append of `count` tokens to a sequence of `length` tokens takes from the pool:
-    the new pages it grows into, plus one copy of its partial last page when that page is
-    shared. Returns (pages, whether the last page is copied); elementwise on numpy arrays."""
-    grow = -(-(length + count) // page_size) - (-(-length // page_size))
-    cow = (length % page_size != 0) & (count > 0) & last_page_shared
-    return grow + cow, cow
-
-
-def last_page_shared(state: PagedKVState, seq: int) -> bool:
-    """Whether `seq`'s partial last page is referenced by someone else too (an append copies
-    it first)."""
-    n = int(state.lengths[seq])
-    if n % state.page_size == 0:
-        return False
-    page = int(state.page_table[seq, (n - 1) // state.page_size])
-    return bool(state.refcount[page] > 1)
-
-
-def append_pages(state: PagedKVState, seq: int, count: int) -> int:
-    """Pages appending `count` tokens to open `seq` takes from the pool."""
-    n = int(state.lengths[seq])
-    return int(pages_needed(n, count, last_page_shared(state, seq), state.page_size)[0])
-
-
-def free_pages(state: PagedKVState) -> np.ndarray:
-    """i32[F] free page ids, lowest first."""
-    return np.flatnonzero(state.refcount == 0).astype(np.int32)
-
-
-def table_references(state: PagedKVState) -> np.ndarray:
-    """i32[P]: how many open sequences' page tables list each page (within their lengths)."""
-    counts = np.zeros(state.num_pages, np.int32)
-    for q in np.flatnonzero(state.active):
-        used = state.page_table[q, : -(-int(state.lengths[q]) // state.page_size)]
-        np.add.at(counts, used[used < state.num_pages], 1)
-    return counts
-
-
-# ---- host operations (pure: state -> new state; the pools are untouched) ----------------------
-def _row(state: PagedKVState, seq: int) -> np.ndarray:
-    return np.full(state.max_pages_per_seq, state.num_pages, np.int32)
-
-
-def _with_row(state: PagedKVState, seq: int, row, length: int, tokens, active: bool, **kw):
-    table = state.page_table.copy()
-    table[seq] = row
-    lengths = state.lengths.copy()
-    lengths[seq] = length
-    flags = state.active.copy()
-    flags[seq] = active
-    ids = list(state.token_ids)
-    ids[seq] = np.asarray(tokens, np.int32).reshape(-1).copy()
-    return state.replace(
-        page_table=table, lengths=lengths, active=flags, token_ids=tuple(ids), **kw
-    )
-
-
-def _add_refs(refcount: np.ndarray, pages, delta: int) -> np.ndarray:
-    out = refcount.copy()
-    p = np.asarray(pages, np.int64).reshape(-1)
-    np.add.at(out, p[p < out.shape[0]], delta)
-    return out
-
-
-def set_sequence(state: PagedKVState, seq: int, row, tokens) -> PagedKVState:
-    """`seq` (open) now holds `tokens` in the pages of page-table row `row` (i32[max_pages]);
-    refcounts are the caller's (a splice or a truncation settles them itself)."""
-    return _with_row(state, seq, np.asarray(row, np.int32), len(tokens), tokens, True)
-
-
-def open_seq(state: PagedKVState, seq: int) -> PagedKVState:
-    """Mark `seq` open and empty."""
-    return _with_row(state, seq, _row(state, seq), 0, [], True)
-
-
-def free_seq(state: PagedKVState, seq: int) -> PagedKVState:
-    """Close `seq` and drop its page references (pages reaching 0 become free)."""
-    held = state.page_table[seq, : -(-int(state.lengths[seq]) // state.page_size)]
-    refcount = _add_refs(state.refcount, held, -1)
-    return _with_row(state, seq, _row(state, seq), 0, [], False, refcount=refcount)
-
-
-def fork_seq(state: PagedKVState, src: int, dst: int) -> PagedKVState:
-    """Open `dst` as a copy of `src` that shares all of its pages (refcounts + 1)."""
-    n = int(state.lengths[src])
-    held = state.page_table[src, : -(-n // state.page_size)]
-    refcount = _add_refs(state.refcount, held, 1)
-    row = state.page_table[src].copy()
-    return _with_row(state, dst, row, n, state.token_ids[src], True, refcount=refcount)
-
-
-def retain_pages(state: PagedKVState, pages) -> PagedKVState:
-    """Take one more reference to each page in `pages` (a holder outside any sequence, such as
-    a prefix cache, keeps pages alive this way)."""
-    return state.replace(refcount=_add_refs(state.refcount, pages, 1))
-
-
-def release_pages(state: PagedKVState, pages) -> tuple[PagedKVState, np.ndarray]:
-    """Drop one reference to each page in `pages` (distinct). Returns the state and i32[K] the
-    pages nobody references any more (a caller purging their contents zeroes them)."""
-    refcount = _add_refs(state.refcount, pages, -1)
-    p = np.asarray(pages, np.int64).reshape(-1)
-    dead = p[(p < state.num_pages)]
-    dead = dead[refcount[dead] == 0].astype(np.int32)
-    return state.replace(refcount=refcount), dead
-
-
-def adopt_prefix(state: PagedKVState, seq: int, pages, tokens) -> PagedKVState:
-    """Open `seq` holding `tokens` whose KV already lives in the full pages `pages` (a prefix
-    cache hit): every listed page gains a reference; the sequence never writes them."""
-    row = _row(state, seq)
-    row[: len(pages)] = pages
-    refcount = _add_refs(state.refcount, pages, 1)
-    return _with_row(state, seq, row, len(tokens), tokens, True, refcount=refcount)
-
-
-@dataclasses.dataclass(frozen=True)
-class Append:
-    """What the device must do for an append the host planned: copy shared partial pages
-    (`cow_src` -> `cow_dst`) before writing each new token to its slot."""
-
-    slots: list[np.ndarray]  # per appended row: i32[count] destination slots
-    cow_src: np.ndarray  # i32[K] shared pages to copy
-    cow_dst: np.ndarray  # i32[K] the fresh copies
-
-
-def append(state: PagedKVState, seqs, blocks) -> tuple[PagedKVState, Append]:
-    """Reserve slots for `blocks[i]` (token ids) at the end of open, distinct `seqs[i]`: take the
-    lowest free pages, copy a partial last page shared before the step (copy on write), record
-    the token ids.
-    Returns the new state (pools untouched) and what the device step must do. Assumes the
-    caller checked room (`append_pages`)."""
-    ps = state.page_size
-    free = list(free_pages(state))
-    table = state.page_table.copy()
-    refcount = state.refcount.copy()
-    lengths = state.lengths.copy()
-    ids = list(state.token_ids)
-    slots, cow_src, cow_dst = [], [], []
-    for seq, block in zip(seqs, blocks, strict=True):
-        n, count = int(lengths[seq]), len(block)
-        col = (n - 1) // ps
-        # copy on write, judged by the references before the step: a page shared then is never
-        # written by it, even once other rows' copies have left one sequence holding it
-        if count and n % ps and state.refcount[table[seq, col]] > 1:
-            old, new = int(table[seq, col]), int(free.pop(0))
-            cow_src.append(old)
-            cow_dst.append(new)
-            refcount[old] -= 1
-            refcount[new] += 1
-            table[seq, col] = new
-        for col in range(-(-n // ps), -(-(n + count) // ps)):
-            page = int(free.pop(0))
-            table[seq, col] = page
-            refcount[page] += 1
-        pos = n + np.arange(count)
-        slots.append((table[seq, pos // ps] * ps + pos % ps).astype(np.int32))
-        lengths[seq] = n + count
-        ids[seq] = np.concatenate([state.token_ids[seq], np.asarray(block, np.int32)])
-    new = state.replace(page_table=table, refcount=refcount, lengths=lengths, token_ids=tuple(ids))
-    plan = Append(slots, np.asarray(cow_src, np.int32), np.asarray(cow_dst, np.int32))
-    return new, plan
-
-
 # ---- device operations on the pools (traced inside jitted steps) -------------------------------
 def copy_pages(pools: KVPools, src, dst) -> KVPools:
     """Copy whole pages src[k] -> dst[k] in every layer (i32[K]; dst = P drops; padding pairs
@@ -433,6 +280,9 @@ def copy_pages(pools: KVPools, src, dst) -> KVPools:
 def zero_pages(pools: KVPools, pages) -> KVPools:
     """Zero whole pages in every layer (i32[K]; P drops)."""
     return pools.map(lambda a: a.at[pages].set(0, mode="drop"))
+
+
+_zero_pages = jax.jit(zero_pages, donate_argnums=0)
 
 
 def zero_slots(pools: KVPools, slots) -> KVPools:
@@ -505,12 +355,6 @@ def tokens(state: PagedKVState, seq: int) -> list[int]:
     return state.token_ids[seq].tolist()
 
 
-def check_seq(state: PagedKVState, seq, *, must_be_open: bool) -> int:
-    """Raise SequenceError unless `seq` is an int in range (and open, if asked)."""
-    if isinstance(seq, bool) or not isinstance(seq, (int, np.integer)):
-        raise SequenceError(f"sequence id must be an int, got {seq!r}")
-    if not 0 <= seq < state.max_seqs:
-        raise SequenceError(f"sequence {seq} is out of range [0, {state.max_seqs})")
-    if must_be_open and not state.active[seq]:
-        raise SequenceError(f"sequence {seq} is not open")
-    return int(seq)
+def compile_counts() -> dict[str, int]:
+    """How many shapes the purge's page zeroing has compiled (tests and benchmarks count)."""
+    return {"zero": _zero_pages._cache_size()}

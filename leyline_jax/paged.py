@@ -31,9 +31,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from leyline_jax import allocator
 from leyline_jax import kv_state as kv
+from leyline_jax.allocator import OutOfPagesError
 from leyline_jax.config import check_ids, check_tokens
-from leyline_jax.kv_state import OutOfPagesError, PagedKVState, SequenceError
+from leyline_jax.kv_state import PagedKVState, bucket
 from leyline_jax.model import CausalLM
 
 # Token buckets start at 1: a decode of B rows runs bucket(B) tokens, not a minimum bucket (at 16
@@ -41,12 +43,6 @@ from leyline_jax.model import CausalLM
 MIN_TOKEN_BUCKET = 1
 # Longer prefills run in chunks of this many tokens (bounds the [N, T, S] score buffer).
 PREFILL_CHUNK = 1024
-
-
-def bucket(n: int, minimum: int = 1, maximum: int | None = None) -> int:
-    """Smallest power of two >= max(n, minimum), capped at `maximum`."""
-    b = 1 << (max(n, minimum) - 1).bit_length()
-    return b if maximum is None else min(b, maximum)
 
 
 # ---- the model over a paged cache (traced inside the jitted step) ----------------------------
@@ -77,7 +73,6 @@ def _step(graphdef, params, pools, cow_src, cow_dst, tokens, positions, slots, m
     return pools, model.logits(h[last])
 
 
-_zero = jax.jit(kv.zero_pages, donate_argnums=0)
 _read_pages = jax.jit(kv.read_pages)
 _write_pages = jax.jit(kv.write_pages, donate_argnums=0)
 # `read_pages` / `load_pages` move pages in blocks of at most this many (each bucketed)
@@ -108,9 +103,10 @@ class Rows:
     cow_dst: np.ndarray  # i32[B]
 
 
-def _rows(state: PagedKVState, seqs, blocks, starts, slots, cow=None) -> Rows:
+def _rows(state: PagedKVState, seqs, blocks, starts, slots, cow=((), ())) -> Rows:
     """Rows running blocks[i] at positions starts[i].. of seqs[i], whose KV goes to slots[i]
-    (pages already in `state`'s table), flattened in row order."""
+    (pages already in `state`'s table), flattened in row order; `cow`: (pages, their copies)
+    the step copies first."""
     p, ps = state.num_pages, state.page_size
     counts = np.array([len(x) for x in blocks], np.int32)
     b, t = bucket(len(seqs)), bucket(int(counts.sum()), MIN_TOKEN_BUCKET)
@@ -126,8 +122,8 @@ def _rows(state: PagedKVState, seqs, blocks, starts, slots, cow=None) -> Rows:
         cu_q_lens=cu,
         num_rows=np.array([len(seqs)], np.int32),
         last=_pad(cu[1 : len(seqs) + 1] - 1, b, 0),
-        cow_src=_pad(cow.cow_src if cow else [], b, p),
-        cow_dst=_pad(cow.cow_dst if cow else [], b, p),
+        cow_src=_pad(cow[0], b, p),
+        cow_dst=_pad(cow[1], b, p),
     )
     for i, (q, x, a, sl) in enumerate(zip(seqs, blocks, starts, slots, strict=True)):
         lo, hi = cu[i], cu[i + 1]
@@ -161,18 +157,25 @@ def _run(model, state: PagedKVState, rows: Rows, graph=None):
 def _append(model, state: PagedKVState, seqs, blocks, graph=None):
     """Append blocks[i] to open, distinct seqs[i] (checked) and run them in one step."""
     starts = [int(state.lengths[q]) for q in seqs]
-    state, plan = kv.append(state, seqs, blocks)
-    return _run(model, state, _rows(state, seqs, blocks, starts, plan.slots, cow=plan), graph)
+    state, plan = allocator.append(state, seqs, blocks)
+    rows = _rows(state, seqs, blocks, starts, plan.slots, cow=(plan.cow_src, plan.cow_dst))
+    return _run(model, state, rows, graph)
 
 
-def fill(model, state: PagedKVState, seq: int, start: int, tokens, graph=None):
+def fill(model, state: PagedKVState, seq: int, start: int, tokens, graph=None, cow=None):
     """Run `tokens` at positions start.. of open `seq`, whose slots its page table already
-    holds (a directive's replacement after a splice); each attends to the slots before it.
-    Returns the state and float32 logits [vocab] after the last one. Checked by the caller."""
-    ps = state.page_size
-    pos = start + np.arange(len(tokens))
-    slots = state.page_table[seq, pos // ps] * ps + pos % ps
-    state, logits = _run(model, state, _rows(state, [seq], [tokens], [start], [slots]), graph)
+    holds (a directive's replacement after a splice, FORGET's re-prefill), in chunks of
+    `PREFILL_CHUNK`; each attends to the slots before it. `cow`: (page, its copy) to copy
+    first. Returns the state and float32 logits [vocab] after the last one. Checked by the
+    caller (`leyline_jax.allocator.plan_edit` placed the slots)."""
+    ps, logits = state.page_size, None
+    for a in range(0, len(tokens), PREFILL_CHUNK):
+        chunk = tokens[a : a + PREFILL_CHUNK]
+        pos = start + a + np.arange(len(chunk))
+        slots = state.page_table[seq, pos // ps] * ps + pos % ps
+        pair = ([cow[0]], [cow[1]]) if cow is not None and a == 0 else ((), ())
+        rows = _rows(state, [seq], [chunk], [start + a], [slots], cow=pair)
+        state, logits = _run(model, state, rows, graph)
     return state, logits[0]
 
 
@@ -181,7 +184,8 @@ def precompile(
 ) -> tuple[PagedKVState, int]:
     """Compile (and run once) the step for every shape a batch of at most `max_rows` rows of
     at most `max_row_tokens` new tokens each can take: each row bucket with each token bucket
-    it can fill; and the page zeroing of `release(zero=True)` up to a sequence's pages. Each
+    it can fill; and the page zeroing of a purge (`PagedKVState.zeroed`) up to a sequence's
+    pages. Each
     run is all padding (no row, every slot dropped): the pools come back unchanged. Returns the
     state and how many shapes ran."""
     p, ps, w = state.num_pages, state.page_size, state.max_pages_per_seq
@@ -205,38 +209,10 @@ def precompile(
             )
             state, _ = _run(model, state, rows, graph)
             shapes += 1
-    for k in (1 << i for i in range(bucket(w).bit_length())):  # `release(zero=True)`
-        state = state.replace(pools=_zero(state.pools, jnp.asarray(np.full(k, p, np.int32))))
+    for k in (1 << i for i in range(bucket(w).bit_length())):  # a purge's zeroing
+        state = state.zeroed(np.full(k, p, np.int32))  # every id "nowhere": changes nothing
         shapes += 1
     return state, shapes
-
-
-# ---- host checks ----------------------------------------------------------------------------
-def _check_room(state: PagedKVState, seq: int, length: int, count: int) -> None:
-    if length + count > state.max_seq_len:
-        raise SequenceError(
-            f"sequence {seq} would hold {length + count} tokens, more than max_seq_len="
-            f"{state.max_seq_len}"
-        )
-
-
-def _check_appends(state: PagedKVState, seqs: list, counts: list) -> None:
-    """Host checks for appending counts[i] tokens to open, distinct seqs[i] (ints, not
-    coerced)."""
-    for s in seqs:
-        kv.check_seq(state, s, must_be_open=True)
-    if len(set(seqs)) != len(seqs):
-        raise SequenceError(f"a sequence appears twice in one step: {seqs}")
-    need = 0
-    for s, n in zip(seqs, counts, strict=True):
-        _check_room(state, s, int(state.lengths[s]), n)
-        need += kv.append_pages(state, s, n)
-    free = len(kv.free_pages(state))
-    if need > free:
-        raise OutOfPagesError(
-            f"appending to {len(seqs)} sequences needs {need} pages; {free} of "
-            f"{state.num_pages} are free"
-        )
 
 
 # ---- public API -----------------------------------------------------------------------------
@@ -251,20 +227,23 @@ def prefill(
     `OutOfPagesError` when the pool is short — all before the state changes. Donates `state`.
     """
     toks = check_tokens(tokens, model.config.vocab_size)
-    seq = kv.check_seq(state, seq, must_be_open=False)
+    seq = allocator.check_seq(state, seq, must_be_open=False)
     is_new = not state.active[seq]
     length = 0 if is_new else int(state.lengths[seq])
     n = len(toks)
-    _check_room(state, seq, length, n)
-    need = kv.append_pages(state, seq, n) if not is_new else -(-n // state.page_size)
-    free = len(kv.free_pages(state))
+    allocator.check_room(state, seq, length, n)
+    if is_new:
+        need = allocator.pages_for(n, state.page_size)
+    else:
+        need = allocator.append_pages(state, seq, n)
+    free = len(allocator.free_pages(state))
     if need > free:
         raise OutOfPagesError(
             f"prefill of {n} tokens on sequence {seq} needs {need} pages; "
             f"{free} of {state.num_pages} are free"
         )
     if is_new:
-        state = kv.open_seq(state, seq)
+        state = allocator.open_seq(state, seq)
     graph = nnx.split(model)
     for a in range(0, n, PREFILL_CHUNK):
         state, logits = _append(model, state, [seq], [toks[a : a + PREFILL_CHUNK]], graph)
@@ -293,7 +272,7 @@ def extend(
         raise ValueError(f"{len(seqs)} sequences but {len(blocks)} token blocks")
     if any(len(b) == 0 or len(b) > PREFILL_CHUNK for b in blocks):
         raise ValueError(f"each block needs 1..{PREFILL_CHUNK} tokens")
-    _check_appends(state, seqs, [len(b) for b in blocks])
+    allocator.check_appends(state, seqs, [len(b) for b in blocks])
     state, logits = _append(model, state, seqs, blocks, graph)
     return state, logits if padded else logits[: len(seqs)]
 
@@ -315,89 +294,18 @@ def decode(
     toks = check_tokens(tokens, model.config.vocab_size)
     if len(seqs) != len(toks):
         raise ValueError(f"{len(seqs)} sequences but {len(toks)} tokens")
-    _check_appends(state, seqs, [1] * len(seqs))
+    allocator.check_appends(state, seqs, [1] * len(seqs))
     state, logits = _append(model, state, seqs, [toks[i : i + 1] for i in range(len(seqs))], graph)
     return state, logits[: len(seqs)]
 
 
-def fork(state: PagedKVState, src: int, dst: int) -> PagedKVState:
-    """Open `dst` as a copy of open sequence `src`, sharing its pages."""
-    kv.check_seq(state, src, must_be_open=True)
-    kv.check_seq(state, dst, must_be_open=False)
-    if state.active[dst]:
-        raise SequenceError(f"sequence {dst} is already open")
-    return kv.fork_seq(state, int(src), int(dst))
-
-
-def free(state: PagedKVState, seq: int) -> PagedKVState:
-    """Close open sequence `seq`, releasing its page references."""
-    kv.check_seq(state, seq, must_be_open=True)
-    return kv.free_seq(state, int(seq))
-
-
-def _page_list(state: PagedKVState, pages) -> np.ndarray:
-    p = check_ids(pages, state.num_pages, "page id", allow_empty=True)
-    if len(np.unique(p)) != len(p):
-        raise ValueError("page ids must be distinct")
-    return p
-
-
-def retain(state: PagedKVState, pages) -> PagedKVState:
-    """Take a reference to each of `pages` (pages in use) for a holder outside any sequence,
-    such as a prefix cache."""
-    p = _page_list(state, pages)
-    if (state.refcount[p] == 0).any():
-        raise ValueError("only pages in use can be retained")
-    return kv.retain_pages(state, p)
-
-
-def release(state: PagedKVState, pages, *, zero: bool = False) -> PagedKVState:
-    """Drop a reference taken with `retain`; with `zero`, pages left unreferenced are zeroed
-    (on the device). A page whose references all come from sequences' page tables is refused
-    (ValueError): its holders free it with `free`. Donates `state`."""
-    p = _page_list(state, pages)
-    outside = state.refcount - kv.table_references(state)
-    if (outside[p] < 1).any():
-        bad = int(p[outside[p] < 1][0])
-        raise ValueError(
-            f"page {bad} holds no reference taken with retain (only sequences reference it)"
-        )
-    state, dead = kv.release_pages(state, p)
-    if zero and len(dead):
-        pools = _zero(state.pools, jnp.asarray(_pad(dead, bucket(len(dead)), state.num_pages)))
-        state = state.replace(pools=pools)
-    return state
-
-
-def adopt(state: PagedKVState, seq: int, pages, tokens, *, partial: bool = False) -> PagedKVState:
-    """Open `seq` as the `len(tokens)` tokens whose KV is held in the full pages `pages` (a
-    prefix cache hit): the sequence shares those pages and appends after them. With `partial`
-    the last page may be partly filled (a sequence restored from a snapshot): the sequence
-    appends into it, copying it first while anyone else references it (copy on write)."""
-    seq = kv.check_seq(state, seq, must_be_open=False)
-    if state.active[seq]:
-        raise SequenceError(f"sequence {seq} is already open")
-    p = check_ids(pages, state.num_pages, "page id", allow_empty=True)
-    tokens = check_tokens(tokens, state.vocab_size, allow_empty=True)
-    if len(tokens) > state.max_seq_len:
-        raise ValueError(f"{len(tokens)} adopted tokens exceed max_seq_len={state.max_seq_len}")
-    if partial:
-        if len(p) != -(-len(tokens) // state.page_size) or len(np.unique(p)) != len(p):
-            raise ValueError("adopted tokens must fill the given distinct pages, the last in part")
-    elif len(tokens) != len(p) * state.page_size:
-        raise ValueError("adopted tokens must fill the given pages exactly")
-    if (state.refcount[p] == 0).any():
-        raise ValueError("adopted pages must be pages in use")
-    return kv.adopt_prefix(state, seq, p, tokens)
-
-
-def read_pages(state: PagedKVState, pages) -> tuple[np.ndarray, np.ndarray]:
+def read_pages(state: PagedKVState, ids) -> tuple[np.ndarray, np.ndarray]:
     """Host copies of whole pages (ids in [0, num_pages), any order, repeats allowed): every
     layer's (moved [L, K, page_size, *moved_shape], rotated [L, K, page_size, *rotated_shape])
     in the storage dtypes, so a 16-bit band comes back as its raw bits (uint16) and
     `load_pages` puts it back bit-exact. The state is not donated; this reads the device (what
     a snapshot of the pools needs), in blocks of `PAGE_BLOCK` pages, each bucketed."""
-    p = check_ids(pages, state.num_pages, "page id", allow_empty=True)
+    p = check_ids(ids, state.num_pages, "page id", allow_empty=True)
     shapes = [(a.shape[1:], a.dtype) for a in (state.pools.moved[0], state.pools.rotated[0])]
     parts: tuple[list, list] = ([], [])
     for a in range(0, len(p), PAGE_BLOCK):
@@ -441,43 +349,35 @@ def load_pages(
                 f"{name} pages of shape {arr.shape} and dtype {arr.dtype} do not fit the pools: "
                 f"{want} of {pool[0].dtype} needed (K = the moved band's second dimension)"
             )
-    free = kv.free_pages(state)
+    free = allocator.free_pages(state)
     if k > len(free):
         raise OutOfPagesError(
             f"loading {k} pages needs {k} free pages; {len(free)} of {state.num_pages} are free"
         )
-    pages = free[:k]
+    dst_pages = free[:k]
     pools = state.pools
     for a in range(0, k, PAGE_BLOCK):
         n = min(PAGE_BLOCK, k - a)
         b = bucket(n)
-        dst = jnp.asarray(_pad(pages[a : a + n], b, state.num_pages))
+        dst = jnp.asarray(_pad(dst_pages[a : a + n], b, state.num_pages))
         pools = _write_pages(
             pools, dst, _pages_block(moved, a, n, b), _pages_block(rotated, a, n, b)
         )
     state = state.replace(pools=pools)
-    return kv.retain_pages(state, pages), pages.astype(np.int32)
+    return allocator.retain_pages(state, dst_pages), dst_pages.astype(np.int32)
 
 
 def compile_counts() -> dict[str, int]:
     """How many shapes each jitted step has compiled (for tests and benchmarks)."""
-    return {"step": _step._cache_size(), "zero": _zero._cache_size()}
+    return {"step": _step._cache_size(), "zero": kv.compile_counts()["zero"]}
 
 
 __all__ = [
-    "OutOfPagesError",
-    "SequenceError",
-    "bucket",
     "compile_counts",
     "decode",
     "extend",
     "fill",
-    "fork",
-    "free",
     "load_pages",
     "prefill",
     "read_pages",
-    "release",
-    "retain",
-    "adopt",
 ]

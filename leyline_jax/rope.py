@@ -12,16 +12,21 @@ Phases are computed the way the reference does: fp32 `position * inv_freq`. YaRN
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import TYPE_CHECKING
 
 import jax.numpy as jnp
 import numpy as np
 
-from leyline_jax.config import MLAConfig
+if TYPE_CHECKING:  # the config's module builds on this one
+    from leyline_jax.config import MLAConfig
 
 
+@functools.lru_cache(maxsize=32)
 def inv_freq(config: MLAConfig) -> np.ndarray:
-    """f32[Dr/2] inverse frequencies (YaRN-corrected when the config says so).
+    """f32[Dr/2] inverse frequencies (YaRN-corrected when the config says so), read-only and
+    cached per config (a frozen, hashable config: the model calls this in every trace).
 
     Mirrors transformers' `compute_default_rope_parameters` / `_compute_yarn_parameters` step by
     step in float32, so that phases agree with the reference to the last few ulps.
@@ -31,7 +36,7 @@ def inv_freq(config: MLAConfig) -> np.ndarray:
     exponents = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
     pos_freqs = np.power(base, exponents, dtype=np.float32)
     if config.rope_type != "yarn":
-        return (np.float32(1.0) / pos_freqs).astype(np.float32)
+        return _frozen((np.float32(1.0) / pos_freqs).astype(np.float32))
 
     factor = np.float32(config.yarn_factor)
     extrapolation = np.float32(1.0) / pos_freqs
@@ -57,7 +62,12 @@ def inv_freq(config: MLAConfig) -> np.ndarray:
     out = interpolation * (np.float32(1.0) - extrapolation_factor) + (
         extrapolation * extrapolation_factor
     )
-    return out.astype(np.float32)
+    return _frozen(out.astype(np.float32))
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
 
 
 def deinterleave_perm(dim: int) -> np.ndarray:

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from leyline_jax import kv_state as kv
+from leyline_jax import allocator
 from leyline_jax.directives import Directive, Mode
-from leyline_jax.kv_state import PagedKVState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,31 +61,10 @@ def kv_plan(cached: int, plan: TurnPlan) -> KVPlan:
 
 def need(page_size: int, plan: TurnPlan, max_new: int, kvp: KVPlan | None) -> tuple[int, int]:
     """(pages the turn may take from the pool at most, pages of the session's own it holds
-    while it does), for a session whose KV holds tokens[:kvp.cut] (`kvp` None: an empty slot).
-    The session keeps its pages up to the cut: a splice copies the kept tokens after its first
-    edit into fresh pages (from that edit's page on) before the old ones are released; without
-    one, appending writes after the cut, copying a kept partial page first if it is shared."""
-    ps = page_size
+    while it does), for a session whose KV holds tokens[:kvp.cut] (`kvp` None: an empty slot):
+    `leyline_jax.allocator.turn_need`."""
     final = len(plan.prompt) + max_new
     if kvp is None:
-        return -(-final // ps) + 1, 0
-    held = -(-kvp.cut // ps)
-    if kvp.splices:
-        return splice_need(ps, final, kvp.splices[0].start), held
-    return -(-final // ps) - held + int(kvp.cut % ps > 0), held
-
-
-def splice_need(page_size: int, length: int, first: int) -> int:
-    """Pages a splice whose first edit starts at `first` may take from the pool, for a
-    sequence `length` tokens long afterwards: it copies the kept tokens from that edit's page
-    on into fresh pages before the old ones are released."""
-    return -(-length // page_size) - first // page_size + 1
-
-
-def still_needs(state: PagedKVState, seq: int, pending: int, new_left: int) -> int:
-    """Pages a running turn may still take: `pending` prompt tokens and `new_left` tokens
-    of its budget, past what `seq` holds (a shared last page is copied before it is written)."""
-    ps = state.page_size
-    n = int(state.lengths[seq])
-    final = n + pending + new_left
-    return -(-final // ps) - (-(-n // ps)) + int(bool(kv.last_page_shared(state, seq)))
+        return allocator.turn_need(page_size, final, None, None)
+    first = kvp.splices[0].start if kvp.splices else None
+    return allocator.turn_need(page_size, final, kvp.cut, first)

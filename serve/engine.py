@@ -52,9 +52,8 @@ import numpy as np
 from flax import nnx
 
 import leyline_jax as ll
+from leyline_jax import allocator, paged, splice
 from leyline_jax import directives as dv
-from leyline_jax import kv_state as kv
-from leyline_jax import paged
 from leyline_jax.config import check_ids, check_tokens
 from leyline_jax.directives import Mode
 from leyline_jax.sharding import MeshConfig, shard_model
@@ -297,8 +296,7 @@ class Engine:
         out = set(self.radix.pinned_pages()) if self.radix is not None else set()
         for x in self.sessions.values():
             if x is not exclude and x.pins and x.seq is not None:
-                n = -(-int(self.state.lengths[x.seq]) // self.page_size)
-                out.update(int(p) for p in self.state.page_table[x.seq, :n])
+                out.update(int(p) for p in allocator.seq_pages(self.state, x.seq))
         return out
 
     def restore_session(
@@ -328,7 +326,7 @@ class Engine:
         if not all(is_int(v) for v in (cached, clean)) or not 0 <= clean <= cached <= len(toks):
             raise ValueError(f"need 0 <= clean ({clean}) <= cached ({cached}) <= {len(toks)}")
         pages = list(pages)
-        if len(pages) != -(-cached // self.page_size):
+        if len(pages) != allocator.pages_for(cached, self.page_size):
             raise ValueError(f"{len(pages)} pages for {cached} cached tokens of {self.page_size}")
         s = Session(
             int(session), toks, last_used=time.perf_counter(), lineage=f"session:{int(session)}"
@@ -337,7 +335,7 @@ class Engine:
             free = self._free_slots()
             if not free:
                 raise ValueError(f"no free sequence slot for session {session}")
-            self.state = paged.adopt(self.state, free[0], pages, toks[:cached], partial=True)
+            self.state = allocator.adopt(self.state, free[0], pages, toks[:cached], partial=True)
             s.seq, s.cached, s.clean = free[0], cached, clean
             self._cache_prefix(s)
         self.sessions[s.id] = s
@@ -359,7 +357,7 @@ class Engine:
             raise ValueError("prefix pages must be pages in use")
         taken = self.radix.insert(toks, p)
         if taken:
-            self.state = paged.retain(self.state, taken)
+            self.state = allocator.retain(self.state, taken)
         return len(taken)
 
     def submit(
@@ -496,7 +494,7 @@ class Engine:
         del self.sessions[session]
         tree = self._private.pop(s.lineage, None) if s.lineage.startswith(OWN_LINEAGE) else None
         if tree is not None:  # no later session can have its own lineage
-            self.state = paged.release(self.state, tree.clear())
+            self.state = allocator.release(self.state, tree.clear())
 
     def cancel(self, request: Request) -> bool:
         """End a queued or running turn where it stands (between steps), failing it with
@@ -530,13 +528,13 @@ class Engine:
         the pool."""
         if self.radix is None:
             return 0
-        before = len(kv.free_pages(self.state))
+        before = len(allocator.free_pages(self.state))
         pages = self.radix.clear()
         for tree in self._private.values():
             pages += tree.clear()
         if pages:
-            self.state = paged.release(self.state, pages)
-        return len(kv.free_pages(self.state)) - before
+            self.state = allocator.release(self.state, pages)
+        return len(allocator.free_pages(self.state)) - before
 
     def warmup(self) -> int:
         """Compile every shape this engine's steps can take: the ragged step and sampling (row
@@ -549,7 +547,7 @@ class Engine:
         self.state, shapes = paged.precompile(
             self.model, self.state, self.state.max_seqs, self.prefill_chunk, graph=self.graph
         )
-        self.state, runs = dv.precompile(self.model, self.state)
+        self.state, runs = splice.precompile(self.model, self.state)
         shapes += runs
         vocab = self.model.config.vocab_size
         for b in (1 << i for i in range(paged.bucket(self.state.max_seqs).bit_length())):
@@ -597,10 +595,10 @@ class Engine:
     def _still_needs(self, req: Request) -> int:
         """Pages a running turn may still take: its remaining prompt and token budget."""
         left = req.sampling.max_new_tokens - req.fed
-        return budget.still_needs(self.state, req.session.seq, len(req.pending), left)
+        return allocator.still_needs(self.state, req.session.seq, len(req.pending), left)
 
     def _available(self) -> int:
-        free = len(kv.free_pages(self.state))
+        free = len(allocator.free_pages(self.state))
         return free - sum(self._still_needs(r) for r in self._running())
 
     def _admit(self) -> None:
@@ -773,7 +771,7 @@ class Engine:
                 if pages:
                     break
             if pages:
-                self.state = paged.release(self.state, pages)
+                self.state = allocator.release(self.state, pages)
                 self.counters["radix_evicted_pages"] += len(pages)
                 continue
             victim = self._idle_victim(exclude=for_session)
@@ -803,7 +801,7 @@ class Engine:
                 return False
             free = [self._offload(victim)]
         s.seq = free[0]
-        self.state = paged.adopt(self.state, s.seq, [], [])  # open, empty
+        self.state = allocator.adopt(self.state, s.seq, [], [])  # open, empty
         return True
 
     def _offload(self, s: Session) -> int | None:
@@ -813,7 +811,7 @@ class Engine:
         if seq is None:
             return None
         self._cache_prefix(s)
-        self.state = paged.free(self.state, seq)
+        self.state = allocator.free(self.state, seq)
         s.seq, s.cached, s.clean, s.foreign = None, 0, 0, False
         self.counters["offloads"] += 1
         return seq
@@ -865,8 +863,8 @@ class Engine:
                         same += 1
                     pages, hit, clean = own, n, same * self.page_size
             if hit:  # the slot is open and empty: reopen it holding the cached pages
-                self.state = paged.free(self.state, s.seq)
-                self.state = paged.adopt(self.state, s.seq, pages, prompt[:hit])
+                self.state = allocator.free(self.state, s.seq)
+                self.state = allocator.adopt(self.state, s.seq, pages, prompt[:hit])
             s.cached = st.reused_tokens = hit
             s.clean = clean
         else:  # the KV holds tokens[:cut] (`_try_admit` cut it): splice what precedes the cut
@@ -970,7 +968,7 @@ class Engine:
             self._offload(s)
             cached = []
         # only pages no running turn may still take
-        need = budget.splice_need(self.page_size, left, cached[0].start) if cached else 0
+        need = allocator.splice_need(self.page_size, left, cached[0].start) if cached else 0
         if need > self._available():
             self.counters["scratch_deferred"] += 1
             return

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from leyline_jax import paged
+from leyline_jax import allocator
 from leyline_jax.directives import Directive, Mode
 from leyline_jax.kv_state import PagedKVState
 from serve.budget import KVPlan
@@ -34,7 +34,7 @@ def cache_prefix(
         return state, []
     row = state.page_table[seq, :n]
     taken = radix.insert(list(tokens[: n * ps]), [int(p) for p in row])
-    return (paged.retain(state, taken) if taken else state), taken
+    return (allocator.retain(state, taken) if taken else state), taken
 
 
 def purge(
@@ -46,7 +46,7 @@ def purge(
     if not forget or radix is None:
         return state
     pages = radix.purge(list(tokens), forget[0].start)
-    return paged.release(state, pages, zero=True) if pages else state
+    return allocator.release(state, pages, zero=True) if pages else state
 
 
 def clean_after_edit(clean: int, kvp: KVPlan) -> int:

@@ -74,7 +74,7 @@ from tqdm import tqdm
 
 import leyline_jax as ll
 from checkpoints.tiny import ensure_default_checkpoints
-from leyline_jax import paged
+from leyline_jax import paged, splice
 from serve import compile_cache, policies, traces
 from serve.chat import model_path, render, render_reply, tokenizer_for
 from serve.engine import Engine, SamplingParams, sample
@@ -318,7 +318,7 @@ def run_arm(
 
 def _compiled() -> int:
     """Jitted shapes compiled so far by the serving steps (model steps and splices)."""
-    counts = paged.compile_counts() | ll.directives.compile_counts()
+    counts = paged.compile_counts() | splice.compile_counts()
     return sum(counts.values()) + sample._cache_size()
 
 

@@ -37,8 +37,7 @@ import numpy as np
 from flax import nnx
 
 from checkpoints.sessions import read_snapshot, write_snapshot
-from leyline_jax import kv_state as kv
-from leyline_jax import paged
+from leyline_jax import allocator, paged
 from leyline_jax.loader import CheckpointError
 from serve.engine import Engine
 from serve.sampling import is_int
@@ -65,7 +64,7 @@ def save(engine: Engine, root: str | os.PathLike, extra: dict | None = None) -> 
         busy = s.active is not None or bool(s.queue)
         cached = s.cached if s.seq is not None else 0
         tokens = list(s.tokens[:cached] if busy else s.tokens)
-        row = st.page_table[s.seq, : -(-cached // ps)] if cached else []
+        row = st.page_table[s.seq, : allocator.pages_for(cached, ps)] if cached else []
         if cached and st.token_ids[s.seq].tolist() != tokens[:cached]:
             raise RuntimeError(f"session {s.id}: its tokens do not describe its sequence's KV")
         rec = {"id": s.id, "tokens": tokens, "cached": cached, "clean": min(s.clean, cached)}
@@ -119,7 +118,7 @@ def restore(engine: Engine, root: str | os.PathLike) -> dict | None:
         raise ValueError("the snapshot does not fit this engine: " + "; ".join(diffs))
     sessions, prefixes, moved, rotated = _parse(engine, meta, arrays)
     st = engine.state
-    k, free = moved.shape[1], len(kv.free_pages(st))
+    k, free = moved.shape[1], len(allocator.free_pages(st))
     if k > free:
         raise ValueError(
             f"the snapshot holds {k} KV pages; this engine's pool has {free} free of {st.num_pages}"
@@ -147,7 +146,7 @@ def restore(engine: Engine, root: str | os.PathLike) -> dict | None:
             cached=r["cached"],
             clean=r["clean"],
         )
-    engine.state = paged.release(engine.state, pages)  # drop the loader's references
+    engine.state = allocator.release(engine.state, pages)  # drop the loader's references
     return meta.get("extra") or {}
 
 
@@ -247,7 +246,7 @@ def _parse(engine: Engine, meta: dict, arrays: dict) -> tuple[list, list, np.nda
             and is_int(r.get("clean"))
             and 0 <= r["clean"] <= r["cached"] <= len(r["tokens"])
             and ints(r.get("pages"), k)
-            and len(r["pages"]) == -(-r["cached"] // ps)
+            and len(r["pages"]) == allocator.pages_for(r["cached"], ps)
             and len(set(r["pages"])) == len(r["pages"])
         )
         if not ok:

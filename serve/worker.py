@@ -302,9 +302,9 @@ class EngineWorker:
         running = sum(1 for j in self.jobs if j.request.status in ("prefill", "decode"))
         self.metrics.running.set(running)
         self.metrics.queue_depth.set(len(self.jobs) - running)
-        from leyline_jax import kv_state
+        from leyline_jax import allocator
 
-        self.metrics.free_pages.set(len(kv_state.free_pages(eng.state)))
+        self.metrics.free_pages.set(len(allocator.free_pages(eng.state)))
         self.metrics.sessions.set(len(eng.sessions))
 
     def _end(self, job: Job, event, submitted: bool = True) -> None:

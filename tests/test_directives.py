@@ -21,7 +21,9 @@ from conftest import DECODERS, GQA_NAMES, MLA_NAMES, random_tokens
 from test_parity import assert_logits_match, rel_err
 
 import leyline_jax as ll
-from leyline_jax.directives import apply_to_list, plan_splice, validate
+from leyline_jax import allocator
+from leyline_jax.directives import apply_to_list, validate
+from leyline_jax.splice import plan_splice
 
 N = 300
 NEW = [5, 6, 7]
@@ -202,17 +204,17 @@ def test_gqa_amortize_matches_hf_reference(name, span, hf_ckpt, hf_model):
 def test_gqa_reference_catches_an_unrotated_splice(hf_ckpt, hf_model, monkeypatch):
     """The GQA check can fail: a splice that moves K without rotating it (Δ ignored) is
     flagged by the reference."""
-    from leyline_jax import directives as dv
+    from leyline_jax import splice
 
     path = hf_ckpt("llama")
     model, hf = ll.load_model(path), hf_model(path)
     toks = random_tokens(N, seed=4).tolist()
     ref = hf_gqa_amortize_reference(hf, toks, 37, 120, [1, 2, 3], NEW)
-    real = dv._splice_step
+    real = splice.splice_pools
     monkeypatch.setattr(
-        dv,
-        "_splice_step",
-        lambda pools, src, dst, pf, pt, *a, **k: real(pools, src, dst, pf, pf, *a, **k),
+        splice,
+        "splice_pools",
+        lambda pools, runs, *a, **k: real(pools, runs._replace(pos_to=runs.pos_from), *a, **k),
     )
     _, got = run(model, toks, [ll.Directive(37, 120, [1, 2, 3])])
     with pytest.raises(AssertionError):
@@ -323,23 +325,40 @@ def test_invalid_directives_leave_state_untouched(np_ckpt):
         np.testing.assert_array_equal(np.asarray(a), b)
 
 
-def test_plan_is_consistent():
-    """Host planning on its own: prefix pages kept, every kept token moved to its new index."""
+def _host_state(model, row, used, p, length):
+    """A 1-sequence state of `p` pages (page size 8) holding `length` tokens in `row`, with
+    `used` pages referenced (the rest free); its pools are never read."""
+    state = ll.init_state(model.config, num_pages=p, page_size=8, max_seqs=1, max_seq_len=56)
+    refcount = np.zeros(p, np.int32)
+    refcount[used] = 1
+    state = state.replace(refcount=refcount)
+    return allocator.set_sequence(state, 0, row, list(range(length)))
+
+
+def test_plan_is_consistent(np_ckpt):
+    """Host planning on its own: prefix pages kept, fresh pages the lowest free ones, every
+    kept token moved to its new index."""
+    model = ll.load_model(np_ckpt("deepseek_v3"))
     toks = list(range(40))  # page size 8: five pages
     ds = validate([ll.Directive(13, 17, [100, 101]), ll.Directive(20, 20, [7, 7, 7])], 40, 1000)
     p = 12  # pool size: "nowhere"
     row = np.array([3, 1, 4, 5, 11, p, p], np.int32)
-    plan = plan_splice(toks, row, ds, 8, np.array([0, 2, 6, 7, 8, 10]), p)
-    assert plan.new_tokens == apply_to_list(toks, ds) and len(plan.new_tokens) == 41
-    assert list(plan.page_row) == [3, 0, 2, 6, 7, 8, p]  # page 0 (tokens 0..7) is kept
-    assert list(plan.fresh) == [0, 2, 6, 7, 8] and list(plan.released) == [1, 4, 5, 11]
+    new = apply_to_list(toks, ds)
+    free = [0, 2, 6, 7, 8, 10]
+    state = _host_state(model, row, [q for q in range(p) if q not in free], p, 40)
+    edit = allocator.plan_edit(state, 0, new, 40, 13, len(new))
+    assert len(new) == 41 and allocator.seq_pages(edit.state, 0).tolist() == [3, 0, 2, 6, 7, 8]
+    assert list(edit.row) == [3, 0, 2, 6, 7, 8, p]  # page 0 (tokens 0..7) is kept
+    assert edit.state.refcount[[1, 4, 5, 11, 10]].tolist() == [0] * 5  # released; 10 unused
+    plan = plan_splice(toks, row, edit.row, ds, 8)
     assert list(plan.pos_from) == [i for i in range(8, 40) if not 13 <= i < 17]
     for i, j, s, d in zip(plan.pos_from, plan.pos_to, plan.src, plan.dst, strict=True):
-        assert plan.new_tokens[j] == toks[i]
-        assert s == row[i // 8] * 8 + i % 8 and d == plan.page_row[j // 8] * 8 + j % 8
+        assert new[j] == toks[i]
+        assert s == row[i // 8] * 8 + i % 8 and d == edit.row[j // 8] * 8 + j % 8
     assert plan.fills == [(13, (100, 101)), (18, (7, 7, 7))]
+    short = _host_state(model, row, [q for q in range(p) if q not in (0, 2)], p, 40)
     with pytest.raises(ll.OutOfPagesError):
-        plan_splice(toks, row, ds, 8, np.array([0, 2]), p)
+        allocator.plan_edit(short, 0, new, 40, 13, len(new))
 
 
 def test_apply_to_list_skips_a_noop_inside_another_span():

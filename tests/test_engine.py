@@ -17,7 +17,7 @@ import pytest
 
 import leyline_jax as ll
 from leyline_jax import directives as dv
-from leyline_jax import paged
+from leyline_jax import paged, splice
 from serve.engine import Engine, RequestError, SamplingParams, sample
 
 PS = 8
@@ -344,7 +344,7 @@ def test_steady_state_never_recompiles(model):
     same workload again adds no compilation."""
 
     def counts():
-        return paged.compile_counts() | dv.compile_counts() | {"sample": sample._cache_size()}
+        return paged.compile_counts() | splice.compile_counts() | {"sample": sample._cache_size()}
 
     run_sessions(make_engine(model), list(range(16)))
     before = counts()
@@ -583,7 +583,7 @@ def test_warmup_compiles_every_shape_serving_meets(model):
     assert engine.warmup() > 0
 
     def counts():
-        return paged.compile_counts(), dv.compile_counts(), sample._cache_size()
+        return paged.compile_counts(), splice.compile_counts(), sample._cache_size()
 
     before = counts()
     rng = np.random.default_rng(21)

@@ -47,7 +47,7 @@ from hypothesis.stateful import (
 
 import leyline_jax as ll
 from checkpoints.tiny import write_random_checkpoint
-from leyline_jax import kv_state as kv
+from leyline_jax import allocator
 from leyline_jax.directives import Directive, DirectiveError, Mode
 from serve.engine import Engine, RequestError, SamplingParams
 
@@ -212,7 +212,7 @@ def radix_kv_error(model, engine: Engine) -> tuple[float, int]:
 
 
 def check_refcounts(engine: Engine) -> None:
-    want = kv.table_references(engine.state)
+    want = allocator.table_references(engine.state)
     for p in engine.cache_pages():  # the radix cache's and the lineages' private trees'
         want[p] += 1
     np.testing.assert_array_equal(engine.state.refcount, want)

@@ -19,7 +19,7 @@ from conftest import ALL_CONFIGS
 
 import leyline_jax as ll
 from checkpoints.tiny import write_random_checkpoint
-from leyline_jax import paged
+from leyline_jax import allocator
 from leyline_jax.directives import Directive, DirectiveError, Mode, Source
 from serve.engine import Engine, RequestError, SamplingParams
 
@@ -528,7 +528,7 @@ def test_move_from_the_radix_cache_keeps_to_its_lineage(model):
     state = core_state(model)
     state, _ = ll.prefill(model, state, 0, X + toks(4, 51))
     row = np.asarray(state.page_table)[0]
-    state = paged.adopt(state, 1, [], [])
+    state = allocator.adopt(state, 1, [], [])
     srcs = (Source(5, 8, 8, pages=(int(row[1]),)), Source(13, 16, 8, pages=(int(row[2]),)))
     d = Directive(0, 0, tuple(prompt[:21]), Mode.MOVE, sources=srcs)
     state, done = ll.apply_directives(model, state, 1, [d], report=True)

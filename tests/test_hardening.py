@@ -18,7 +18,7 @@ import pytest
 from conftest import ALL_CONFIGS
 
 import leyline_jax as ll
-from leyline_jax import paged
+from leyline_jax import allocator, paged
 from leyline_jax.directives import Directive, Mode
 from serve.engine import Engine, RequestError, SamplingParams
 
@@ -273,14 +273,14 @@ def test_adopt_and_init_check_their_inputs(model):
     state = ll.init_state(model.config, num_pages=8, page_size=4, max_seqs=2)
     state, _ = ll.prefill(model, state, 0, [1, 2, 3, 4, 5])
     page = int(np.asarray(state.page_table)[0, 0])
-    state = paged.retain(state, [page])
+    state = allocator.retain(state, [page])
     before = state_leaves(state)
     with pytest.raises(ValueError, match="token"):
-        paged.adopt(state, 1, [page], [1, 2, 3, model.config.vocab_size])
+        allocator.adopt(state, 1, [page], [1, 2, 3, model.config.vocab_size])
     with pytest.raises(ValueError, match="token"):
-        paged.adopt(state, 1, [page], [1, 2, 3, -1])
+        allocator.adopt(state, 1, [page], [1, 2, 3, -1])
     assert_same_state(before, state_leaves(state))
-    state = paged.adopt(state, 1, [page], [1, 2, 3, 4])
+    state = allocator.adopt(state, 1, [page], [1, 2, 3, 4])
     assert ll.tokens(state, 1) == [1, 2, 3, 4]
 
 
@@ -291,13 +291,13 @@ def test_release_of_a_page_only_a_sequence_holds_is_refused(model):
     page = int(np.asarray(state.page_table)[0, 0])
     before = state_leaves(state)
     with pytest.raises(ValueError, match="retain"):
-        paged.release(state, [page])
+        allocator.release(state, [page])
     assert_same_state(before, state_leaves(state))
-    state = paged.retain(state, [page])
-    state = paged.release(state, [page])  # the retained reference goes back
+    state = allocator.retain(state, [page])
+    state = allocator.release(state, [page])  # the retained reference goes back
     with pytest.raises(ValueError, match="retain"):
-        paged.release(state, [page])
-    state = paged.free(state, 0)
+        allocator.release(state, [page])
+    state = allocator.free(state, 0)
     assert int(np.asarray(state.refcount).min()) == 0
 
 

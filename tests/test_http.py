@@ -29,7 +29,7 @@ pytest.importorskip("fastapi")
 
 import leyline_jax as ll  # noqa: E402
 from checkpoints.tiny import ensure_default_checkpoints  # noqa: E402
-from leyline_jax import kv_state  # noqa: E402
+from leyline_jax import allocator  # noqa: E402
 from leyline_jax.directives import Mode  # noqa: E402
 from serve import chat  # noqa: E402
 from serve.conversation import ModVocabTokenizer, OutputText, parse_tool_calls  # noqa: E402
@@ -344,7 +344,7 @@ def test_a_client_gone_mid_stream_frees_its_turn(server):
     assert engine.counters["cancelled_turns"] == cancelled + 1
     assert len(engine.sessions) == sessions  # its own session closed: pages back
     # refcounts exact: each page referenced once per page-table row and radix node holding it
-    want = kv_state.table_references(engine.state)
+    want = allocator.table_references(engine.state)
     for p in engine.radix.pages():
         want[p] += 1
     np.testing.assert_array_equal(engine.state.refcount, want)

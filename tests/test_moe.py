@@ -26,7 +26,7 @@ import leyline_jax as ll
 from checkpoints.tiny import TINY_HF_CONFIGS
 from leyline_jax.config import ROUTER_SIGMOID_GROUPED
 from leyline_jax.loader import config_from_hf
-from leyline_jax.model import (
+from leyline_jax.moe import (
     MoEDispatch,
     moe_experts_dense,
     moe_experts_grouped,

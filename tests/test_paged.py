@@ -17,8 +17,8 @@ from flax import nnx
 from test_parity import assert_logits_match, rel_err
 
 import leyline_jax as ll
+from leyline_jax import allocator, paged
 from leyline_jax import kv_state as kv
-from leyline_jax import paged
 
 PROMPTS = (200, 150, 77)  # three interleaved sequences; none is a multiple of 16 or 7
 STEPS = 24
@@ -276,9 +276,9 @@ def test_bookkeeping_needs_no_device(np_ckpt):
     for leaf in jax.tree.leaves(state.pools):
         leaf.delete()
     state = ll.fork(state, 0, 1)
-    state = paged.retain(state, [int(state.page_table[0, 0])])
-    state = paged.adopt(state, 2, [int(state.page_table[0, 0])], random_tokens(9)[:4].tolist())
-    state = paged.release(state, [int(state.page_table[0, 0])])
+    state = allocator.retain(state, [int(state.page_table[0, 0])])
+    state = allocator.adopt(state, 2, [int(state.page_table[0, 0])], random_tokens(9)[:4].tolist())
+    state = allocator.release(state, [int(state.page_table[0, 0])])
     state = ll.free(state, 1)
     assert ll.tokens(state, 0) == random_tokens(9).tolist()
     with pytest.raises(ll.OutOfPagesError):
@@ -303,8 +303,8 @@ def _step_bytes(model, num_pages: int, tokens: int) -> tuple[int, int]:
     `num_pages` pages."""
     state = ll.init_state(model.config, num_pages=num_pages, page_size=16, max_seqs=2)
     block = np.ones(tokens, np.int32)
-    state, plan = kv.append(kv.open_seq(state, 0), [0], [block])
-    rows = dataclasses.asdict(paged._rows(state, [0], [block], [0], plan.slots, cow=plan))
+    state, plan = allocator.append(allocator.open_seq(state, 0), [0], [block])
+    rows = dataclasses.asdict(paged._rows(state, [0], [block], [0], plan.slots))
     meta = tuple(rows[k] for k in ("kv_lens", "page_indices", "cu_q_lens", "num_rows"))
     args = [rows[k] for k in ("cow_src", "cow_dst", "tokens", "positions", "slots")]
     graph = nnx.split(model)
@@ -315,17 +315,14 @@ def _step_bytes(model, num_pages: int, tokens: int) -> tuple[int, int]:
 
 def _splice_bytes(model, num_pages: int) -> tuple[int, int]:
     """`_unaliased_bytes` of the splice step (move + rotate of 64 slots) on `num_pages` pages."""
-    from leyline_jax import directives as dv
-    from leyline_jax.model import _inv_freq
+    from leyline_jax import splice
+    from pallas_kernels.splice_rotate import Runs
 
     state = ll.init_state(model.config, num_pages=num_pages, page_size=16, max_seqs=2)
     idx = jnp.arange(64, dtype=jnp.int32)
-    inv = jnp.asarray(_inv_freq(model.config))
-    table = dv._phases(model.config, 256)
-    ones = jnp.ones_like(idx)
-    lowered = dv._splice_step.lower(
-        state.pools, idx, idx + 64, idx, idx + 1, inv, table, ones, impl=None
-    )
+    inv, table = splice.rotation_tables(model.config, 256)
+    runs = Runs(idx, idx + 64, jnp.ones_like(idx), idx, idx + 1)
+    lowered = splice.splice_pools.lower(state.pools, runs, inv, table, impl=None)
     return _unaliased_bytes(lowered.compile())
 
 
@@ -341,7 +338,7 @@ def test_a_step_never_copies_a_pool(np_ckpt, monkeypatch, tokens):
     model = ll.load_model(np_ckpt("deepseek_v3"))
     assert _step_bytes(model, 64, tokens) == _step_bytes(model, 4096, tokens)
     assert _splice_bytes(model, 64) == _splice_bytes(model, 4096)
-    from leyline_jax import model as mla
+    from leyline_jax import mla
 
     attend = mla.ragged_paged_attention
 

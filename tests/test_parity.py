@@ -184,7 +184,7 @@ def test_attention_matches_hf(name, layer, hf_ckpt, hf_model):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_absorbed_attention_equals_expanded(name, hf_ckpt):
     """The absorbed (decode) form computes the same attention as the expanded (prefill) form."""
-    from leyline_jax.model import mla_attention
+    from leyline_jax.mla import mla_attention
 
     model = ll.load_model(hf_ckpt(name))
     attn = model.layers[1].attn

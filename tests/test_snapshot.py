@@ -398,7 +398,7 @@ def test_the_round_trip_checks_can_fail(model, tmp_path):
     snapshot.restore(e4, tmp_path / "shifted")
     with pytest.raises(AssertionError, match="not equal"):
         check_same_kv(e1, e4, tokens)
-    e4.state = ll.paged.retain(e4.state, [int(e4.state.page_table[e4.sessions[a].seq, 0])])
+    e4.state = ll.allocator.retain(e4.state, [int(e4.state.page_table[e4.sessions[a].seq, 0])])
     with pytest.raises(AssertionError):
         check_refcounts(e4)
 

@@ -17,10 +17,8 @@ copy bandwidth measured here (target >= 0.7 on the H200).
 
 from __future__ import annotations
 
-import functools
 import statistics
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -29,8 +27,9 @@ from benchmarks.device import measure, report
 from benchmarks.device.floors import kv_bytes_per_token
 from benchmarks.device.shapes import sizes
 from leyline_jax.loader import config_from_hf
+from leyline_jax.splice import splice_pools
 from pallas_kernels.dispatch import resolve
-from pallas_kernels.splice_rotate import TARGETS, Runs, phase_table, plan_runs, splice_rotate
+from pallas_kernels.splice_rotate import TARGETS, Runs, phase_table, plan_runs
 
 
 def plan(d: int, prefix: int, span: int, stub: int, ps: int, pages: int) -> Runs:
@@ -54,27 +53,6 @@ def splice_impl() -> dict:
     return {"impl": impl.name, "kernel": impl.target}
 
 
-@functools.partial(jax.jit, static_argnames="impl", donate_argnames="pools")
-def splice_all(pools, runs: Runs, inv_freq, table, *, impl):
-    """One `splice_rotate` over every layer's pools (as the directive's splice step runs it),
-    each viewed as one row per slot."""
-    slots = pools.num_pages * pools.page_size
-    cs, ks = splice_rotate(
-        tuple(x.reshape(slots, -1) for x in pools.moved),
-        tuple(x.reshape(slots, -1) for x in pools.rotated),
-        runs,
-        inv_freq,
-        k_dtype=pools.rotated_dtype,
-        table=table,
-        max_run=pools.page_size,
-        impl=impl,
-    )
-    return pools.with_bands(
-        [x.reshape(o.shape) for x, o in zip(cs, pools.moved, strict=True)],
-        [x.reshape(o.shape) for x, o in zip(ks, pools.rotated, strict=True)],
-    )
-
-
 def time_splice(config, sz, d: int, iters: int) -> tuple[list, int]:
     """(seconds per splice of d downstream tokens, samples; runs per splice), on fresh pools
     sized for it."""
@@ -88,7 +66,7 @@ def time_splice(config, sz, d: int, iters: int) -> tuple[list, int]:
     box = {"pools": state.pools}
 
     def run():
-        box["pools"] = splice_all(box["pools"], device_runs, inv, table, impl=None)
+        box["pools"] = splice_pools(box["pools"], device_runs, inv, table, impl=None)
         return box["pools"].rotated[-1]
 
     return measure.times(run, repeats=5, iters=iters), len(runs.src)

@@ -19,8 +19,7 @@ import pytest
 
 import leyline_jax as ll
 from checkpoints.tiny import TINY_GQA_CONFIGS, TINY_HF_CONFIGS, write_random_checkpoint
-from leyline_jax import directives as dv
-from leyline_jax import paged
+from leyline_jax import paged, splice
 from serve.engine import Engine, SamplingParams, sample
 
 MESHES = [(1, 8), (2, 4), (8, 1)]
@@ -132,7 +131,7 @@ def test_paged_and_directives_equal_one_device(models, name, shape):
 
 
 def _counts():
-    return paged.compile_counts() | dv.compile_counts() | {"sample": sample._cache_size()}
+    return paged.compile_counts() | splice.compile_counts() | {"sample": sample._cache_size()}
 
 
 def _turns(engine):

@@ -1,0 +1,181 @@
+"""Multi-head Latent Attention (DeepSeek-V2/V3, GLM-4.7-Flash): the pure attention math and the
+`MLAAttention` module.
+
+The cache holds per token the normalised latent `c_kv` [R] (the band a splice moves) and the
+position-embedded rope band `k_pe` [Dr] (the band it rotates). `mla_attention` attends over a
+latent cache in the expanded form (per-head K_nope and V made from the latent) or the absorbed
+form (queries multiplied into the latent space); the full-sequence forward, the paged step and
+DECAY's attention probe all call it or the paged kernel. The rope band is in the halves layout
+(`leyline_jax.rope`); YaRN's attention factor is applied when a key or query is embedded.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from leyline_jax import kv_state as kv
+from leyline_jax import rope
+from leyline_jax.config import MLAConfig
+from leyline_jax.layers import Linear, RMSNorm
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+
+# q_a_layernorm and kv_a_layernorm use eps 1e-6 whatever rms_norm_eps says (as the reference).
+LATENT_NORM_EPS = 1e-6
+
+
+def absorb_queries(q_nope, w_kb):  # [T, N, Dn], [N, Dn, R] -> [T, N, R]
+    """Queries into the latent space, per head. Written head-major (a batched matmul over N on
+    [N, T, Dn]): XLA's CPU backend runs the same einsum on [T, N, Dn] several times slower."""
+    return jnp.einsum("ntd,ndr->ntr", q_nope.transpose(1, 0, 2), w_kb).transpose(1, 0, 2)
+
+
+def expand_values(o_lat, w_vb):  # [T, N, R], [N, R, Dv] -> [T, N, Dv]
+    """A latent attention output up to each head's values (head-major, as `absorb_queries`)."""
+    return jnp.einsum("ntr,nrd->ntd", o_lat.transpose(1, 0, 2), w_vb).transpose(1, 0, 2)
+
+
+def mla_attention(
+    q_nope: jnp.ndarray,  # [T, N, Dn]
+    q_pe: jnp.ndarray,  # [T, N, Dr], position embedded
+    c_kv: jnp.ndarray,  # [S, R], normalised latent
+    k_pe: jnp.ndarray,  # [S, Dr], position embedded
+    w_kb: jnp.ndarray,  # [N, Dn, R]: latent -> K_nope
+    w_vb: jnp.ndarray,  # [N, R, Dv]: latent -> V
+    mask: jnp.ndarray,  # bool[T, S], True where query t may attend slot s
+    scale: float,
+    *,
+    absorbed: bool = False,
+    mass: bool = False,
+):  # [T, N, Dv] (and f32[T, S] with mass=True)
+    """Multi-head latent attention over a latent cache.
+
+    absorbed=False expands K_nope and V per head (cheaper when T is close to S: prefill);
+    absorbed=True multiplies queries into the latent space and never materialises per-head K/V
+    (cheaper when T << S: decode). The two are the same function up to rounding. With
+    `mass=True` also returns the attention each query gave each slot, summed over heads
+    (DECAY's importance, `leyline_jax.importance`).
+    """
+    f32 = jnp.float32
+    if absorbed:
+        q_lat = absorb_queries(q_nope, w_kb)
+        scores = jnp.einsum("tnr,sr->nts", q_lat, c_kv, preferred_element_type=f32)
+    else:
+        k_nope = jnp.einsum("sr,ndr->snd", c_kv, w_kb)
+        scores = jnp.einsum("tnd,snd->nts", q_nope, k_nope, preferred_element_type=f32)
+    scores = scores + jnp.einsum("tnd,sd->nts", q_pe, k_pe, preferred_element_type=f32)
+    scores = jnp.where(mask[None], scores * scale, -jnp.inf)
+    p32 = jax.nn.softmax(scores, axis=-1)
+    probs = p32.astype(q_nope.dtype)
+    if absorbed:
+        out_lat = jnp.einsum("nts,sr->tnr", probs, c_kv)
+        out = expand_values(out_lat, w_vb)
+    else:
+        v = jnp.einsum("sr,nrd->snd", c_kv, w_vb)
+        out = jnp.einsum("nts,snd->tnd", probs, v)
+    return (out, p32.sum(0)) if mass else out
+
+
+class MLAAttention(nnx.Module):
+    def __init__(self, config: MLAConfig, dtype):
+        c = config
+        self.config = c
+        n, dqk = c.num_attention_heads, c.qk_head_dim
+        if c.q_lora_rank is None:
+            self.q_proj = Linear(c.hidden_size, n * dqk, dtype)
+        else:
+            self.q_a_proj = Linear(c.hidden_size, c.q_lora_rank, dtype)
+            self.q_a_norm = RMSNorm(c.q_lora_rank, LATENT_NORM_EPS, dtype)
+            self.q_b_proj = Linear(c.q_lora_rank, n * dqk, dtype)
+        self.kv_a_proj = Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, dtype)
+        self.kv_a_norm = RMSNorm(c.kv_lora_rank, LATENT_NORM_EPS, dtype)
+        # the latent's up-projections (the checkpoint's kv_b_proj), head-major: the absorbed
+        # form contracts them per head, and in this layout a step reads them without a copy
+        self.k_up = nnx.Param(jnp.zeros((n, c.qk_nope_head_dim, c.kv_lora_rank), dtype))
+        self.v_up = nnx.Param(jnp.zeros((n, c.kv_lora_rank, c.v_head_dim), dtype))
+        self.o_proj = Linear(n * c.v_head_dim, c.hidden_size, dtype)
+
+    def queries(self, x, positions):
+        """[T, H], i32[T] -> q_nope [T, N, Dn], q_pe [T, N, Dr] (position embedded)."""
+        c = self.config
+        q = (
+            self.q_proj(x)
+            if c.q_lora_rank is None
+            else self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
+        )
+        q = q.reshape(*x.shape[:-1], c.num_attention_heads, c.qk_head_dim)
+        q_nope, q_pe = q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim :]
+        q_pe = rope.apply_rope(q_pe, positions, rope.inv_freq(c), c.rope_scale, heads_axis=True)
+        return q_nope, q_pe
+
+    def latent(self, x, positions):
+        """[T, H], i32[T] -> c_kv [T, R] (normalised), k_pe [T, Dr] (embedded): the cached pair."""
+        c = self.config
+        kv = self.kv_a_proj(x)
+        c_kv = self.kv_a_norm(kv[..., : c.kv_lora_rank])
+        k_pe = rope.apply_rope(kv[..., c.kv_lora_rank :], positions, rope.inv_freq(c), c.rope_scale)
+        return c_kv, k_pe
+
+    def kv_up(self):
+        """w_kb [N, Dn, R], w_vb [N, R, Dv]: the up-projections of the latent."""
+        return self.k_up[...], self.v_up[...]
+
+    def output(self, o):
+        """[T, N, Dv] -> [T, H]."""
+        return self.o_proj(o.reshape(*o.shape[:-2], -1))
+
+    def paged(self, x, positions, pools: kv.KVPools, layer: int, slots, meta):
+        """Attention over the paged cache, absorbed form: [T, H] new tokens of a ragged batch
+        (`leyline_jax.paged`) -> ([T, H], pools). Writes the new tokens' latent and `k_pe` to
+        `slots` of layer `layer`, then attends with queries multiplied into the latent space,
+        reading `c_kv` and `k_pe` in place; `meta`: (kv_lens, page_indices, cu_q_lens,
+        num_rows) as `ragged_paged_attention` takes them."""
+        q_nope, q_pe = self.queries(x, positions)
+        c_new, k_new = self.latent(x, positions)
+        pools = kv.write_kv(pools, layer, slots, c_new, k_new)
+        w_kb, w_vb = self.kv_up()
+        out = ragged_paged_attention(
+            absorb_queries(q_nope, w_kb),
+            q_pe,
+            pools.moved[layer],  # this layer's own arrays: read in place
+            pools.rotated[layer],
+            *meta,
+            scale=self.config.softmax_scale,
+            kv_dtype=pools.moved_dtype,
+            k_pe_dtype=pools.rotated_dtype,
+            impl=pools.kernel_impl(None),
+        )
+        return self.output(expand_values(out.astype(x.dtype), w_vb)), pools
+
+    def probe(self, x, positions, pools: kv.KVPools, layer: int, ctx_slots, mask):
+        """Attention of [T, H] tokens already cached (their KV is among `ctx_slots`) over a
+        sequence's cached slots i32[S] (bool[T, S] `mask`), read from layer `layer`'s pools and
+        written nowhere: ([T, H], f32[T, S] each query's attention per slot, summed over heads).
+        Absorbed form,
+        as the paged step attends."""
+        q_nope, q_pe = self.queries(x, positions)
+        c = kv.gather_slots(pools, layer, ctx_slots)
+        w_kb, w_vb = self.kv_up()
+        o, mass = mla_attention(
+            q_nope,
+            q_pe,
+            *c,
+            w_kb,
+            w_vb,
+            mask,
+            self.config.softmax_scale,
+            absorbed=True,
+            mass=True,
+        )
+        return self.output(o.astype(x.dtype)), mass
+
+    def __call__(self, x, positions):
+        """Causal self-attention over one whole sequence: [T, H], i32[T] -> [T, H]."""
+        q_nope, q_pe = self.queries(x, positions)
+        c_kv, k_pe = self.latent(x, positions)
+        w_kb, w_vb = self.kv_up()
+        t = x.shape[0]
+        mask = jnp.tril(jnp.ones((t, t), bool))
+        o = mla_attention(q_nope, q_pe, c_kv, k_pe, w_kb, w_vb, mask, self.config.softmax_scale)
+        return self.output(o)

@@ -1,0 +1,197 @@
+"""The device side of an edit: zero what a FORGET evicted, move and rotate the kept KV into its
+new slots, then prefill what is new.
+
+`leyline_jax.allocator.plan_edit` decided every page on the host (the old and new page-table rows,
+the pages and slots to zero, a copy on write); here the slots follow from the directives
+(`plan_splice`: each kept token's old slot and position -> new ones, MOVE sources included, and
+the spans left to prefill), and the pools go through one zeroing step, one fused move+rotate
+pass over every layer (`splice_pools`: `pallas_kernels.splice_rotate`, runs of consecutive
+slots), and the ragged step for the fills (`leyline_jax.paged.fill`). The splice machinery sees
+"a band that moves" and "a band that moves and rotates" (halves layout), as the family names
+them (`config.kv_bands()`; MLA: `c_kv` and `k_pe`, GQA: V and K), so every family shares it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from leyline_jax import kv_state as kv
+from leyline_jax import paged, rope
+from leyline_jax.allocator import EditPlan
+from leyline_jax.kv_state import PagedKVState, bucket
+from pallas_kernels.dispatch import resolve
+from pallas_kernels.splice_rotate import TARGETS, Runs, phase_table, plan_runs, splice_rotate
+
+MIN_MOVE_BUCKET = 16
+
+
+# ---- host: which slot goes where -------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Moves:
+    """A splice's moved slots (kept downstream tokens, then MOVE sources) and its fills."""
+
+    src: np.ndarray  # i32[M] old slot
+    dst: np.ndarray  # i32[M] new slot
+    pos_from: np.ndarray  # i32[M] old position
+    pos_to: np.ndarray  # i32[M] new position
+    runs: Runs  # the same moves as runs of consecutive slots (at most a page each)
+    fills: list[tuple[int, tuple[int, ...]]]  # (new start, tokens to prefill) left to right
+
+
+def plan_splice(
+    tokens: Sequence[int],  # the sequence before the splice (its KV: `old_row`)
+    old_row: np.ndarray,  # i32[max_pages]
+    row: np.ndarray,  # i32[max_pages] after: pages from the first edit's on are fresh
+    directives: Sequence,  # validated, sorted, AMORTIZE or MOVE (`leyline_jax.directives`)
+    page_size: int,
+) -> Moves:
+    """Every kept token from the first edit's page on moves to its new index (rotated by its
+    shift), MOVE sources are copied from wherever they are to their place in the replacement,
+    and the rest of each replacement is left to prefill there."""
+    n, ps = len(tokens), page_size
+    starts = np.array([d.start for d in directives])
+    ends = np.array([d.end for d in directives])
+    cum = np.concatenate([[0], np.cumsum([d.delta for d in directives])])
+    i = np.arange(directives[0].start // ps * ps, n)  # every old token on a rebuilt page
+    k = np.searchsorted(starts, i, side="right") - 1  # last directive starting at or before i
+    i = i[~((k >= 0) & (i < ends[np.maximum(k, 0)]))]  # not deleted
+    j = i + cum[np.searchsorted(ends, i, side="right")]  # shifted by the edits before it
+    fills, mi, mj, src = [], [i], [j], [old_row[i // ps] * ps + i % ps]
+    for q, d in enumerate(directives):
+        at, cursor = d.start + int(cum[q]), 0  # the replacement's new start
+        for x in d.sources:
+            if x.offset > cursor:
+                fills.append((at + cursor, d.replacement[cursor : x.offset]))
+            pos = x.position + np.arange(x.length)
+            mi.append(pos)
+            mj.append(at + x.offset + np.arange(x.length))
+            pages = np.asarray(x.pages)[pos // ps - x.position // ps] if x.pages else None
+            src.append((old_row[pos // ps] if pages is None else pages) * ps + pos % ps)
+            cursor = x.offset + x.length
+        if cursor < len(d.replacement):
+            fills.append((at + cursor, d.replacement[cursor:]))
+    i, j = np.concatenate(mi), np.concatenate(mj)
+    src, dst = np.concatenate(src), row[j // ps] * ps + j % ps
+    src, dst, i, j = (a.astype(np.int32) for a in (src, dst, i, j))
+    return Moves(src, dst, i, j, plan_runs(src, dst, i, j, max_run=ps), fills)
+
+
+# ---- device steps ---------------------------------------------------------------------------
+def _pad(a, size: int, fill: int) -> jnp.ndarray:
+    out = np.full(size, fill, np.int32)
+    out[: len(a)] = a
+    return jnp.asarray(out)
+
+
+@functools.partial(jax.jit, static_argnames="impl", donate_argnames="pools")
+def splice_pools(pools: kv.KVPools, runs: Runs, inv_freq, table, *, impl=None) -> kv.KVPools:
+    """Move + rotate slots of every layer's pools along `runs` (i32[M] each: `length` slots
+    from `src` to `dst` at positions from `pos_from` to `pos_to`; length 0: padding), in one
+    `splice_rotate` over all layers, each pool still its own buffer, moved in place, viewed as
+    one row per slot (a slot holding several rows, GQA's KV heads, is one row of several
+    vectors, all rotated alike). `inv_freq` f32[width/2] and `table` (`rotation_tables`).
+    Donates `pools`. The public entry the benchmarks time."""
+    slots = pools.num_pages * pools.page_size
+    cs, ks = splice_rotate(
+        tuple(x.reshape(slots, -1) for x in pools.moved),
+        tuple(x.reshape(slots, -1) for x in pools.rotated),
+        runs,
+        inv_freq,
+        k_dtype=pools.rotated_dtype,
+        table=table,
+        max_run=pools.page_size,
+        impl=pools.kernel_impl(impl),
+    )
+    return pools.with_bands(
+        [x.reshape(o.shape) for x, o in zip(cs, pools.moved, strict=True)],
+        [x.reshape(o.shape) for x, o in zip(ks, pools.rotated, strict=True)],
+    )
+
+
+@functools.partial(jax.jit, donate_argnames="pools")
+def _zero_step(pools: kv.KVPools, pages, slots):
+    """Zero whole pages (i32[K]) and single slots (i32[S]) nobody references any more."""
+    return kv.zero_slots(kv.zero_pages(pools, pages), slots)
+
+
+@functools.lru_cache(maxsize=8)
+def rotation_tables(config, length: int, impl=None) -> tuple[jax.Array, jax.Array | None]:
+    """The splice's rotation inputs, kept on device (like a serving stack's cos/sin cache):
+    the model's inverse frequencies and, for the jnp path, cos/sin of its fp32 phases at
+    positions [0, length), where moved rows' rotations are looked up."""
+    inv = jnp.asarray(rope.inv_freq(config))
+    if resolve(impl, TARGETS).target is not None:
+        return inv, None
+    return inv, jax.jit(phase_table, static_argnums=1)(inv, length)
+
+
+def padded_runs(runs: Runs) -> Runs:
+    """`runs` padded to their bucket with runs of length 0 (they move nothing)."""
+    m = bucket(len(runs.src), MIN_MOVE_BUCKET)
+    return Runs(*(_pad(a, m, 0) for a in runs))
+
+
+def run_edit(
+    model,
+    state: PagedKVState,
+    seq: int,
+    plan: EditPlan,
+    before: Sequence[int],
+    spliced: Sequence,
+    tail: Sequence[int],
+    *,
+    impl=None,
+) -> PagedKVState:
+    """Run an edit `plan` of `seq` on the device: zero what the truncation freed; splice
+    `spliced` (the AMORTIZE and MOVE directives before the cut) over `before` (the sequence's
+    tokens up to the cut) and prefill their replacements; then prefill `tail` (what a FORGET
+    re-prefills: the rest of the edited sequence), copying a shared partial page first.
+    Donates `state`."""
+    p, ps = state.num_pages, state.page_size
+    pools, fills = state.pools, []
+    if len(plan.dead) or len(plan.dead_slots):
+        dead = _pad(plan.dead, bucket(max(len(plan.dead), 1)), p)
+        pools = _zero_step(pools, dead, _pad(plan.dead_slots, ps, p * ps))
+    if spliced:
+        moves = plan_splice(before, plan.old_row, plan.row, spliced, ps)
+        tables = rotation_tables(model.config, state.max_seq_len, impl)
+        pools = splice_pools(pools, padded_runs(moves.runs), *tables, impl=impl)
+        fills = moves.fills
+    state = plan.state.replace(pools=pools)
+    graph = nnx.split(model)
+    for start, toks in fills:
+        state, _ = paged.fill(model, state, seq, start, toks, graph)
+    if len(tail):
+        start = int(state.lengths[seq]) - len(tail)
+        state, _ = paged.fill(model, state, seq, start, list(tail), graph, cow=plan.cow)
+    return state
+
+
+def precompile(model, state: PagedKVState, *, impl=None) -> tuple[PagedKVState, int]:
+    """Compile (and run once, on padding that changes nothing) the splice steps for every
+    bucket one sequence's edit can meet: moves up to `max_seq_len` runs of slots, zeroing up
+    to a sequence's pages. Returns the state and how many shapes ran."""
+    p, ps = state.num_pages, state.page_size
+    tables = rotation_tables(model.config, state.max_seq_len, impl)
+    shapes = 0
+    top = bucket(state.max_seq_len, MIN_MOVE_BUCKET)
+    for m in (1 << i for i in range(MIN_MOVE_BUCKET.bit_length() - 1, top.bit_length())):
+        zeros = _pad([], m, 0)  # every run is padding (length 0): nothing moves
+        pools = splice_pools(state.pools, Runs(*[zeros] * 5), *tables, impl=impl)
+        state, shapes = state.replace(pools=pools), shapes + 1
+    for k in (1 << i for i in range(bucket(state.max_pages_per_seq).bit_length())):
+        pools = _zero_step(state.pools, _pad([], k, p), _pad([], ps, p * ps))
+        state, shapes = state.replace(pools=pools), shapes + 1
+    return state, shapes
+
+
+def compile_counts() -> dict[str, int]:
+    """How many shapes the splice and zeroing steps have compiled (tests and benchmarks)."""
+    return {"splice": splice_pools._cache_size(), "zero": _zero_step._cache_size()}
