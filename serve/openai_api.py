@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from serve.lineage import OWN_LINEAGE
+from serve.engine.caches import OWN_LINEAGE
 
 __all__ = [
     "SESSION_ID",

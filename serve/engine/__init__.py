@@ -1,0 +1,273 @@
+"""The serving engine: sessions, continuous batching, the radix prefix cache, directives in flight.
+
+The imperative shell around the functional core, split by job (read in this order):
+- `config`: `EngineConfig`, the one owner of the engine's settings and their defaults;
+- `types`: a turn (`Request`), a `Session`, their statuses, the errors a turn fails with;
+- `intake`: what `submit` checks before a turn is queued;
+- `planner`: pure host planning (a turn's edit of its session's tokens and KV, MOVE's sources);
+- `pool`: the one owner of the paged KV state; `caches`: the radix prefix cache and the
+  lineage rule; `sessions`: sessions, their sequence slots and pins;
+- `scheduler`: the queue, admission and making room; `runner`: the device work (a turn's edit,
+  the ragged step, sampling, SCRATCH, warmup).
+
+`Engine` only sequences them: `step()` is the scheduler's admissions, then the runner's one
+ragged step over every running turn's prefill chunk or decode token, then sampling.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Sequence
+
+import leyline_jax as ll
+from leyline_jax.config import check_ids, check_tokens
+from leyline_jax.directives import Mode
+from serve.engine import intake
+from serve.engine.caches import OWN_LINEAGE, PrefixCaches
+from serve.engine.config import EngineConfig
+from serve.engine.pool import Pool
+from serve.engine.runner import Runner
+from serve.engine.scheduler import Scheduler
+from serve.engine.sessions import SessionTable
+from serve.engine.types import (
+    Admission,
+    Request,
+    RequestError,
+    Session,
+    Status,
+    TurnCancelled,
+    TurnStats,
+)
+from serve.sampling import SamplingParams, sample
+
+__all__ = [
+    "OWN_LINEAGE",
+    "Admission",
+    "Engine",
+    "EngineConfig",
+    "Request",
+    "RequestError",
+    "SamplingParams",
+    "Session",
+    "Status",
+    "TurnCancelled",
+    "TurnStats",
+    "sample",
+]
+
+
+class Engine:
+    """`Engine(model, config=None, *, mesh=None, **settings)`: `settings` are `EngineConfig`
+    fields (`num_pages=`, `page_size=`, ...) overriding `config` (default: `EngineConfig()`).
+    `mesh`: a `leyline_jax.MeshConfig` to shard the model and split the pools over."""
+
+    def __init__(self, model, config: EngineConfig | None = None, *, mesh=None, **settings):
+        self.config = dataclasses.replace(config or EngineConfig(), **settings)
+        self.counters = collections.Counter()  # tokens prefilled / reused / spliced, evictions
+        self.pool = Pool(model, self.config, mesh)
+        self.caches = PrefixCaches(self.pool, self.config.radix)
+        self.table = SessionTable(self.pool, self.caches, self.counters)
+        self.runner = Runner(self.pool, self.table, self.caches, self.config, self.counters)
+        self.scheduler = Scheduler(self.table, self.runner, self.counters)
+
+    # the parts' state, as callers and tests read it
+    model = property(lambda self: self.pool.model)
+    mesh = property(lambda self: self.pool.mesh)
+    page_size = property(lambda self: self.config.page_size)
+    prefill_chunk = property(lambda self: self.config.prefill_chunk)
+    move = property(lambda self: self.config.move)
+    sessions = property(lambda self: self.table.sessions)
+    radix = property(lambda self: self.caches.radix)
+
+    @property
+    def state(self) -> ll.PagedKVState:
+        return self.pool.state
+
+    @state.setter
+    def state(self, value: ll.PagedKVState) -> None:
+        self.pool.state = value
+
+    # ---- sessions ---------------------------------------------------------------------------
+    def open_session(self, *, lineage: str | None = None) -> int:
+        """A new session. `lineage` (default: its own) names whose clean radix pages MOVE may
+        copy into it: those that sessions of the same lineage cached (like vLLM's
+        `cache_salt`, it keeps one tenant's KV from being moved into another's prompt;
+        exact-prefix hits are shared as before)."""
+        return self.table.open(lineage)
+
+    def close_session(self, session: int) -> None:
+        """Close a session after its turns finish; its clean prefix stays in the radix cache
+        (and, after MOVE, its other KV in its lineage's private tree, unless the lineage was
+        its own)."""
+        self.table.close(session)
+
+    def pin(self, session: int, start: int, end: int) -> None:
+        """Pin tokens [start, end) of a session (its coordinates now): no directive may cut
+        into them unless it says `override_pin` (the pin is then dropped), policies leave the
+        messages that hold them alone (`serve.policies`: the harness marks them), and the
+        session's KV is never offloaded to make room while it holds a pin (a turn that could
+        only fit by evicting pinned KV waits, or fails if it never could). Pins move with
+        edits before them. Raises KeyError (session) or DirectiveError (span)."""
+        self.table.pin(session, start, end)
+
+    def unpin(self, session: int, start: int, end: int) -> None:
+        """Drop one pin of exactly [start, end) (as `pins(session)` lists it); ValueError if
+        there is none. The session's KV returns to normal LRU offloading once it holds no pin."""
+        self.table.unpin(session, start, end)
+
+    def pins(self, session: int) -> list[tuple[int, int]]:
+        """The session's pinned spans, in its coordinates now."""
+        return list(self.table.get(session).pins)
+
+    def pin_prefix(self, tokens: Sequence[int]) -> int:
+        """Pin the radix cache's whole pages of the longest cached prefix of `tokens` (a system
+        prompt, say): never evicted under pressure until `unpin_prefix`. Returns how many
+        tokens are pinned (0 without a radix cache)."""
+        return self._prefix_pins(tokens, +1)
+
+    def unpin_prefix(self, tokens: Sequence[int]) -> int:
+        """Undo one `pin_prefix(tokens)`; returns how many tokens it unpinned."""
+        return self._prefix_pins(tokens, -1)
+
+    def _prefix_pins(self, tokens, delta: int) -> int:
+        if self.radix is None:
+            return 0
+        toks = check_tokens(tokens, self.model.config.vocab_size, allow_empty=True).tolist()
+        pages = self.radix.pin(toks) if delta > 0 else self.radix.unpin(toks)
+        return len(pages) * self.page_size
+
+    def restore_session(
+        self, session: int, tokens: Sequence[int], *, pages=(), cached: int = 0, clean: int = 0
+    ) -> None:
+        """Recreate session `session` as a snapshot saved it (`serve.snapshot.restore`): its
+        token list and, with `pages`, a free sequence slot holding tokens[:cached] in those
+        pages (whose KV the caller already wrote, e.g. `Pool.load_pages`; the last may be
+        partly filled; the sequence takes one reference to each). tokens[:clean] is clean (a
+        fresh prefill's KV) and enters the radix cache as a finished turn's does; KV past it
+        (AMORTIZE-spliced) serves this session only. The session is idle and most recently
+        used; later `open_session` ids are above `session`. Raises ValueError, before anything
+        changes, for an id in use, lengths that disagree (0 <= clean <= cached <= len(tokens),
+        pages covering tokens[:cached] exactly, nothing cached without pages), or no free
+        sequence slot."""
+        self.table.restore(session, tokens, pages, cached, clean)
+
+    def restore_prefix(self, tokens: Sequence[int], pages: Sequence[int]) -> int:
+        """Offer the radix cache `tokens` (len(pages) whole pages) whose KV, as a fresh prefill
+        of them gives it, is held in `pages` (pages in use: a snapshot's prefix cache); the
+        cache takes one reference to each page it newly holds (none for a prefix it already
+        has). Returns how many. Without a radix cache: 0. Raises ValueError for tokens that do
+        not fill the pages or pages not in use."""
+        if self.radix is None:
+            return 0
+        toks = check_tokens(tokens, self.model.config.vocab_size, allow_empty=True).tolist()
+        p = check_ids(pages, self.state.num_pages, "page id", allow_empty=True).tolist()
+        if len(toks) != len(p) * self.page_size:
+            raise ValueError(f"{len(toks)} tokens do not fill {len(p)} pages")
+        if (self.state.refcount[p] == 0).any():
+            raise ValueError("prefix pages must be pages in use")
+        return self.caches.restore_prefix(toks, p)
+
+    def reset_prefix_cache(self) -> int:
+        """Empty the radix prefix cache (like vLLM's `reset_prefix_cache`): the tree (and
+        every lineage's private tree) drops every reference it holds, and pages no session
+        holds return to the pool. Sessions keep their own KV (close them to drop it); their
+        clean prefixes enter the cache again as they run. Returns how many pages came back."""
+        before = self.pool.free_count()
+        self.caches.clear()
+        return self.pool.free_count() - before
+
+    def cache_pages(self) -> list[int]:
+        """Every page reference the prefix caches hold: the radix cache's and the lineages'
+        private trees' (a page in both is listed twice: each holds a reference)."""
+        return self.caches.pages()
+
+    # ---- turns -------------------------------------------------------------------------------
+    def submit(
+        self, session: int, tokens: Sequence[int], *, directives=(), sampling=None,
+        scratch=(), scratch_tags=None, move: bool | None = None,
+    ) -> Request:  # fmt: skip
+        """Queue a turn: apply `directives` (an atomic batch in the session's coordinates when
+        the turn runs, each in its own mode; a DECAY is resolved then, from the session's KV,
+        which must hold its span), append `tokens`, generate. Checked now (`intake`): the
+        session (KeyError), token ids and sampling (ValueError), that each directive is a
+        `Directive` (DirectiveError). Checked when the turn runs, failing that turn only: the
+        directives' spans against the session as it is then, and its pins.
+
+        SCRATCH: `scratch` spans (start, end) of the turn's prompt (the session's tokens after
+        the edit, then `tokens`) and, with `scratch_tags=(open, close)` (token ids), every
+        generated block from `open` through `close` are spliced out of the session (AMORTIZE
+        deletions) when the turn finishes, so its next prompt, re-sent without them, is an
+        extension of what the session holds. MOVE: `move` (default: the engine's) copies runs
+        of at least a page of the tokens the turn would prefill from where the session, or
+        the clean radix cache of its lineage, holds them (`planner.move_plan`)."""
+        vocab = self.model.config.vocab_size
+        req = intake.turn(self, self.table.get(session), tokens, directives, sampling, vocab)
+        intake.options(req, scratch, scratch_tags, move, None, vocab)
+        return self.scheduler.queue(req)
+
+    def submit_prompt(
+        self, session: int, prompt: Sequence[int], *, mode: Mode = Mode.AMORTIZE,
+        sampling=None, directives=(), scratch=(), scratch_tags=None, move: bool | None = None,
+    ) -> Request:  # fmt: skip
+        """Queue a turn given as the whole prompt (what an unmodified harness sends): when it
+        runs, the difference from the session's tokens becomes directives in `mode` plus the
+        appended tail (`serve.edits.edits_and_feed`). `directives` (an aware client's explicit
+        edits) are in the prompt's own coordinates: the turn's prompt is the prompt with them
+        applied, and when the prompt extends the session each is spliced exactly as given, in
+        its own mode (`serve.edits.compose`). Checked now like `submit`; `mode` must be a
+        `Mode` (ValueError); the directives against the prompt (DirectiveError: DECAY, whose
+        text depends on the session's KV, goes through `submit`). `scratch` spans are in the
+        turn's prompt's coordinates (the prompt with `directives` applied); `scratch_tags`
+        and `move` as in `submit`."""
+        vocab, s = self.model.config.vocab_size, self.table.get(session)
+        req, n = intake.prompt_turn(self, s, prompt, mode, directives, sampling, vocab)
+        intake.options(req, scratch, scratch_tags, move, n, vocab)
+        return self.scheduler.queue(req)
+
+    def cancel(self, request: Request) -> bool:
+        """End a queued or running turn where it stands (between steps), failing it with
+        `TurnCancelled`; returns whether it was still live. Its session keeps what the turn did
+        so far, consistently (a turn cut mid-prefill keeps its whole prompt as the session's
+        tokens with `tokens[:cached]` in the KV: the next turn's edit and feed plan starts from
+        there) and the radix cache gets its clean prefix, as when a turn finishes. What a
+        server calls when its client goes away."""
+        if not isinstance(request, Request) or request.engine is not self:
+            raise ValueError("request must be a Request of this engine")
+        if request.finished:
+            return False
+        if request.status is Status.QUEUED:
+            self.scheduler.drop(request)
+        else:
+            request.session.active = None
+            self.caches.cache_prefix(request.session)
+        request.fail(TurnCancelled("the turn was cancelled"))
+        self.counters["cancelled_turns"] += 1
+        return True
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def warmup(self) -> int:
+        """Compile every shape this engine's steps can take: the ragged step and sampling (row
+        buckets up to `max_seqs`, token buckets up to `prefill_chunk` tokens a row) and the
+        directive steps (splice moves up to `max_seq_len` slots, zeroing up to a sequence's
+        pages), each run once on padding that changes nothing, so serving compiles nothing
+        (an edit or purge larger than one sequence's pages compiles its bucket on first use).
+        Returns how many shapes ran. With the persistent compilation cache on
+        (`serve.compile_cache`), a later process loads them instead."""
+        return self.runner.warmup()
+
+    def idle(self) -> bool:
+        return self.scheduler.idle()
+
+    def run_until_idle(self, max_steps: int = 1_000_000) -> None:
+        for _ in range(max_steps):
+            if self.idle():
+                return
+            self.step()
+        raise RuntimeError("the engine did not go idle")
+
+    def step(self) -> None:
+        """One iteration: admissions (and their directives), then one ragged step of every
+        running turn's prefill chunk or decode token, then sampling."""
+        self.scheduler.schedule()
+        self.runner.step()

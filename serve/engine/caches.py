@@ -1,0 +1,139 @@
+"""The prefix caches and their lineage rule: which KV may be shared, with whom, and what a FORGET
+takes back.
+
+KV that AMORTIZE spliced (or MOVE copied) is not what a fresh prefill of the same tokens gives,
+so it stays with the session (and its KV) that made it: a session tracks `clean`, the length of
+the prefix whose KV a fresh prefill would reproduce, and only whole pages of that prefix enter
+the radix cache, shared by every session. A session that ran MOVE also caches its whole KV in
+its lineage's private tree (`private`), which only later sessions of that lineage match; KV a
+MOVE copied from another session's pages (`Session.foreign`) is never cached there. Radix
+pages remember the lineage that cached them (`lineage_of`): MOVE copies only its own
+lineage's. A FORGET purges the session's path in both trees from the first evicted token on,
+before the edit runs: nothing computed with the evicted tokens stays reachable, and pages
+nobody references afterwards are zeroed.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+
+from leyline_jax.directives import Directive, Mode
+from serve.engine.pool import Pool
+from serve.engine.types import Session
+from serve.radix import RadixCache
+
+# a session opened without a lineage has its own, "session:<id>": names with this prefix are
+# the engine's, never a caller's
+OWN_LINEAGE = "session:"
+
+
+class PrefixCaches:
+    def __init__(self, pool: Pool, enabled: bool):
+        self.pool, self.page_size = pool, pool.page_size
+        self.radix = RadixCache(self.page_size) if enabled else None
+        self.private: dict[str, RadixCache] = {}  # lineage -> its MOVE sessions' KV
+        self.lineage_of: dict[int, str] = {}  # radix page -> lineage of the session it came from
+
+    def trees(self) -> list[RadixCache]:
+        return [] if self.radix is None else [self.radix, *self.private.values()]
+
+    def pages(self) -> list[int]:
+        """Every page reference the trees hold (a page in two trees is listed twice)."""
+        return [p for tree in self.trees() for p in tree.pages()]
+
+    # ---- what enters ---------------------------------------------------------------------------
+    def _insert(self, tree: RadixCache, s: Session, upto: int) -> list[int]:
+        n = upto // self.page_size
+        if n == 0:
+            return []
+        row = self.pool.seq_pages(s.seq)[:n]
+        taken = tree.insert(list(s.tokens[: n * self.page_size]), row)
+        self.pool.retain(taken)
+        return taken
+
+    def cache_prefix(self, s: Session) -> None:
+        """Offer the whole pages of `s`'s clean prefix to the radix cache (and, after MOVE,
+        its whole KV to its lineage's tree); each tree takes a reference to pages it newly
+        holds."""
+        if s.seq is None or self.radix is None:
+            return
+        for p in self._insert(self.radix, s, min(s.clean, s.cached)):
+            self.lineage_of[p] = s.lineage
+        if s.private and not s.foreign and s.cached // self.page_size:
+            tree = self.private.setdefault(s.lineage, RadixCache(self.page_size))
+            self._insert(tree, s, s.cached)
+
+    def restore_prefix(self, tokens: list[int], pages: list[int]) -> int:
+        """Take `tokens` held in `pages` (whole pages of clean KV) into the radix cache."""
+        if self.radix is None:
+            return 0
+        taken = self.radix.insert(tokens, pages)
+        self.pool.retain(taken)
+        return len(taken)
+
+    # ---- what a turn finds -----------------------------------------------------------------------
+    def match(self, s: Session, prompt: list[int]) -> tuple[list[int], int, int]:
+        """(pages, tokens they hold, of those the clean ones) of the longest cached prefix of
+        `prompt` that `s` may use: the radix cache's, or its lineage's own if that reaches
+        further (clean only as far as its pages are the radix cache's own). At least the
+        prompt's last token is left to feed."""
+        pages, hit = [], 0
+        if self.radix is not None:
+            pages, hit = self.radix.match(prompt, max_tokens=len(prompt) - 1)
+        clean = hit
+        tree = self.private.get(s.lineage)
+        if tree is not None:
+            own, n = tree.match(prompt, max_tokens=len(prompt) - 1)
+            if n > hit:
+                same = 0
+                while same < min(len(own), len(pages)) and own[same] == pages[same]:
+                    same += 1
+                pages, hit, clean = own, n, same * self.page_size
+        return pages, hit, clean
+
+    def locate(self, page_tokens: tuple[int, ...], lineage: str) -> tuple[int, int] | None:
+        """A clean radix page holding exactly `page_tokens`, cached by `lineage`: (page, its
+        first token's position), or None."""
+        found = self.radix.locate(page_tokens) if self.radix is not None else None
+        if found is not None and self.lineage_of.get(found[0]) == lineage:
+            return found
+        return None
+
+    # ---- what leaves ---------------------------------------------------------------------------
+    def purge(self, s: Session, ds: Sequence[Directive]) -> None:
+        """A batch with a FORGET: both trees forget the path of `s.tokens` (before the edit)
+        from the first FORGET start on; pages nobody else holds are zeroed. Idempotent."""
+        forget = [d for d in ds if d.mode is Mode.FORGET]
+        if not forget:
+            return
+        for tree in (self.radix, self.private.get(s.lineage)):
+            if tree is not None:
+                self.pool.release(tree.purge(list(s.tokens), forget[0].start), zero=True)
+
+    def evict(self, want: int) -> int:
+        """Evict up to `want` pages only the trees hold, least recently used leaves first
+        (the radix cache's, then each lineage tree's); how many pages came back."""
+        trees = self.trees()
+        held = collections.Counter(p for tree in trees for p in tree.pages())
+        for tree in trees:
+            # a page another tree also holds is evictable here when only the trees hold it
+            refs = self.pool.state.refcount.copy()
+            for p, n in (held - collections.Counter(tree.pages())).items():
+                refs[p] -= n
+            pages = tree.evict(want, refs)
+            if pages:
+                self.pool.release(pages)
+                return len(pages)
+        return 0
+
+    def drop_lineage(self, lineage: str) -> None:
+        """Drop a lineage's tree (its last session closed and no later one can join it)."""
+        tree = self.private.pop(lineage, None)
+        if tree is not None:
+            self.pool.release(tree.clear())
+
+    def clear(self) -> None:
+        """Every tree drops every reference it holds."""
+        for tree in self.trees():
+            self.pool.release(tree.clear())

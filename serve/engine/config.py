@@ -1,0 +1,95 @@
+"""`EngineConfig`: the one owner of the engine's settings and their defaults.
+
+The engine, the HTTP server, the demo and the replay benchmark all take their settings from
+here; the command lines add the same flags with the same defaults (`add_arguments`) and read
+them back (`from_args`), like vLLM's `EngineArgs`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import jax.numpy as jnp
+
+from leyline_jax.paged import PREFILL_CHUNK
+from serve.sampling import is_int
+
+DTYPES = {"bf16": jnp.bfloat16, "fp32": jnp.float32}  # the command line's names
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """How an engine is sized and what it does by default. Checked when made (ValueError
+    naming the field).
+
+    The pool: `num_pages` pages of `page_size` tokens, for up to `max_seqs` sequences (running
+    or idle sessions holding KV) of at most `max_seq_len` tokens (None: the pool's capacity
+    capped at the model's `max_position_embeddings`). `kv_dtype` stores the moved band (MLA
+    `c_kv`, GQA V), `k_pe_dtype` the rotated one (None: float32, see `ll.init_state`).
+    `prefill_chunk`: the most prompt tokens one turn feeds per step. `radix`: keep the radix
+    prefix cache. `move`: MOVE by default (a turn may say otherwise)."""
+
+    num_pages: int = 512
+    page_size: int = 16
+    max_seqs: int = 16
+    max_seq_len: int | None = None
+    kv_dtype: object = jnp.bfloat16
+    k_pe_dtype: object = None
+    prefill_chunk: int = 256
+    radix: bool = True
+    move: bool = False
+
+    def __post_init__(self):
+        for name in ("num_pages", "page_size", "max_seqs", "prefill_chunk"):
+            v = getattr(self, name)
+            if not is_int(v) or v < 1:
+                raise ValueError(f"{name}={v!r} must be a positive integer")
+        if self.max_seq_len is not None and (not is_int(self.max_seq_len) or self.max_seq_len < 1):
+            raise ValueError(f"max_seq_len={self.max_seq_len!r} must be a positive integer")
+        if self.prefill_chunk > PREFILL_CHUNK:
+            raise ValueError(f"prefill_chunk must be in [1, {PREFILL_CHUNK}]")
+        for name in ("radix", "move"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool")
+        for name in ("kv_dtype", "k_pe_dtype"):
+            v = getattr(self, name)
+            if isinstance(v, str):  # a command line's name: bf16, fp32
+                if v not in DTYPES:
+                    raise ValueError(f"{name}={v!r} must be one of {sorted(DTYPES)}")
+                object.__setattr__(self, name, DTYPES[v])
+
+    def state_args(self) -> dict:
+        """The `leyline_jax.init_state` arguments of this pool."""
+        keys = ("num_pages", "page_size", "max_seqs", "max_seq_len", "kv_dtype", "k_pe_dtype")
+        return {k: getattr(self, k) for k in keys}
+
+    # ---- the command line --------------------------------------------------------------------
+    @staticmethod
+    def add_arguments(ap: argparse.ArgumentParser, fields: tuple[str, ...] | None = None) -> None:
+        """Add `--num-pages`, `--page-size`, ... (every setting, or `fields`) with this class's
+        defaults."""
+        helps = {
+            "num_pages": "KV pages in the pool",
+            "page_size": "tokens per KV page",
+            "max_seqs": "sequences (sessions holding KV) at once",
+            "max_seq_len": "longest sequence (default: the pool, capped by the model)",
+            "kv_dtype": "the moved band's storage: bf16 or fp32",
+            "prefill_chunk": "most prompt tokens one turn feeds per step",
+        }
+        default = EngineConfig()
+        for name, text in helps.items():
+            if fields is not None and name not in fields:
+                continue
+            flag = "--" + name.replace("_", "-")
+            if name == "kv_dtype":
+                ap.add_argument(flag, default="bf16", choices=["bf16", "fp32"], help=text)
+            else:
+                ap.add_argument(flag, type=int, default=getattr(default, name), help=text)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, **overrides) -> EngineConfig:
+        """The settings a parsed command line gave (flags it lacks keep their defaults)."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        given = {k: getattr(args, k) for k in names if hasattr(args, k)}
+        return cls(**{**given, **overrides})

@@ -1,0 +1,148 @@
+"""`SessionTable`: the engine's sessions, their sequence slots and pins.
+
+A session is a conversation: its token list (prompt and generated tokens of every turn so far)
+and, while it holds one, a sequence slot whose KV caches a prefix of that list (`cached`;
+`clean` of it is what a fresh prefill would give). Idle sessions keep their KV until the pool
+needs it; an offloaded session keeps its token list and gets its prefix back from the radix
+cache (or a prefill) on its next turn. A session holding a pin is never offloaded.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import Counter
+from collections.abc import Sequence
+
+from leyline_jax.allocator import pages_for
+from leyline_jax.config import check_tokens
+from serve import spans
+from serve.engine.caches import OWN_LINEAGE, PrefixCaches
+from serve.engine.pool import Pool
+from serve.engine.types import Session
+from serve.sampling import is_int
+
+
+class SessionTable:
+    def __init__(self, pool: Pool, caches: PrefixCaches, counters: Counter):
+        self.pool, self.caches, self.counters = pool, caches, counters
+        self.sessions: dict[int, Session] = {}
+        self._ids = itertools.count()
+
+    def get(self, session: int) -> Session:
+        s = self.sessions.get(session) if is_int(session) else None
+        if s is None:
+            raise KeyError(f"unknown or closed session {session}")
+        return s
+
+    def open(self, lineage: str | None = None) -> int:
+        if lineage is not None and not isinstance(lineage, str):
+            raise ValueError(f"lineage must be a string, got {lineage!r}")
+        if lineage is not None and lineage.startswith(OWN_LINEAGE):
+            raise ValueError(
+                f"lineage {lineage!r}: names starting with {OWN_LINEAGE!r} are the engine's "
+                "(a session's own lineage)"
+            )
+        sid = next(self._ids)
+        own = f"{OWN_LINEAGE}{sid}"
+        lineage = own if lineage is None else lineage
+        self.sessions[sid] = Session(sid, last_used=time.perf_counter(), lineage=lineage)
+        return sid
+
+    def close(self, session: int) -> None:
+        s = self.get(session)
+        if s.busy:
+            raise ValueError(f"session {session} still has turns in flight")
+        self.offload(s)
+        del self.sessions[session]
+        if s.lineage.startswith(OWN_LINEAGE):  # no later session can have its own lineage
+            self.caches.drop_lineage(s.lineage)
+
+    # ---- pins --------------------------------------------------------------------------------
+    def pin(self, session: int, start: int, end: int) -> None:
+        s = self.get(session)
+        (span,) = spans.check_spans([(start, end)], len(s.tokens), "pinned span")
+        s.pins = sorted([*s.pins, span])
+
+    def unpin(self, session: int, start: int, end: int) -> None:
+        s = self.get(session)
+        if (start, end) not in s.pins:
+            raise ValueError(f"session {session} has no pin ({start}, {end}): {s.pins}")
+        s.pins.remove((start, end))
+
+    def pinned_pages(self, exclude: Session | None = None) -> set[int]:
+        """Pages no eviction or offload may free: those of sessions holding pins (but
+        `exclude`) and the radix cache's pinned pages."""
+        radix = self.caches.radix
+        out = set(radix.pinned_pages()) if radix is not None else set()
+        for x in self.sessions.values():
+            if x is not exclude and x.pins and x.seq is not None:
+                out.update(self.pool.seq_pages(x.seq))
+        return out
+
+    # ---- slots -------------------------------------------------------------------------------
+    def idle_victim(self, exclude: Session) -> Session | None:
+        """The least recently used idle session holding KV and no pin (but `exclude`)."""
+        idle = [
+            s
+            for s in self.sessions.values()
+            if s is not exclude and s.seq is not None and s.active is None and not s.pins
+        ]
+        return min(idle, key=lambda s: s.last_used) if idle else None
+
+    def free_slots(self) -> list[int]:
+        """Sequence slots no session holds, lowest first."""
+        used = {x.seq for x in self.sessions.values() if x.seq is not None}
+        return [q for q in range(self.pool.state.max_seqs) if q not in used]
+
+    def take_slot(self, s: Session) -> bool:
+        """Give `s` an open, empty sequence slot (offloading an idle session if need be)."""
+        free = self.free_slots()
+        if not free:
+            victim = self.idle_victim(exclude=s)
+            if victim is None:
+                return False
+            free = [self.offload(victim)]
+        s.seq = free[0]
+        self.pool.open(s.seq)
+        return True
+
+    def offload(self, s: Session) -> int | None:
+        """Give up a session's KV (its clean prefix stays in the radix cache); returns the
+        sequence slot it held."""
+        seq = s.seq
+        if seq is None:
+            return None
+        self.caches.cache_prefix(s)
+        self.pool.free(seq)
+        s.seq, s.cached, s.clean, s.foreign = None, 0, 0, False
+        self.counters["offloads"] += 1
+        return seq
+
+    # ---- snapshots ---------------------------------------------------------------------------
+    def restore(
+        self, session: int, tokens: Sequence[int], pages: Sequence[int], cached: int, clean: int
+    ) -> Session:
+        """Recreate a saved session (see `Engine.restore_session`, which documents it)."""
+        if not is_int(session) or session < 0:
+            raise ValueError(f"session id {session!r} must be a non-negative integer")
+        if session in self.sessions:
+            raise ValueError(f"session {session} is already open")
+        toks = check_tokens(tokens, self.pool.model.config.vocab_size, allow_empty=True).tolist()
+        if not all(is_int(v) for v in (cached, clean)) or not 0 <= clean <= cached <= len(toks):
+            raise ValueError(f"need 0 <= clean ({clean}) <= cached ({cached}) <= {len(toks)}")
+        pages, ps = list(pages), self.pool.page_size
+        if len(pages) != pages_for(cached, ps):
+            raise ValueError(f"{len(pages)} pages for {cached} cached tokens of {ps}")
+        own = f"{OWN_LINEAGE}{int(session)}"
+        s = Session(int(session), toks, last_used=time.perf_counter(), lineage=own)
+        if cached:
+            free = self.free_slots()
+            if not free:
+                raise ValueError(f"no free sequence slot for session {session}")
+            self.pool.adopt_partial(free[0], pages, toks[:cached])
+            s.seq, s.cached, s.clean = free[0], cached, clean
+            self.caches.cache_prefix(s)
+        self.sessions[s.id] = s
+        self._ids = itertools.count(max(next(self._ids), s.id + 1))
+        return s
