@@ -36,7 +36,7 @@ import numpy as np
 import leyline_jax as ll
 from checkpoints.tiny import ensure_default_checkpoints
 from serve import chat, compile_cache
-from serve.engine import Engine, SamplingParams
+from serve.engine import Engine, EngineConfig, SamplingParams
 from serve.policies import STUB
 
 STUB_LEN = 4
@@ -189,8 +189,7 @@ def main(argv=None) -> None:
     ap.add_argument("--sessions", type=int, default=None, help="default 4 (smollm2: 2)")
     ap.add_argument("--turns", type=int, default=None, help="default 4 (smollm2: 3)")
     ap.add_argument("--max-new", type=int, default=None, help="default 8 (smollm2: 16)")
-    ap.add_argument("--num-pages", type=int, default=512)
-    ap.add_argument("--page-size", type=int, default=16)
+    EngineConfig.add_arguments(ap, fields=("num_pages", "page_size"))
     ap.add_argument("--seed", type=int, default=0)
     warm = ap.add_mutually_exclusive_group()
     warm.add_argument(
@@ -236,12 +235,7 @@ def main(argv=None) -> None:
 
 def run(model, args, script, quiet: bool) -> None:
     out = (lambda *a, **k: None) if quiet else print
-    engine = Engine(
-        model,
-        num_pages=args.num_pages,
-        page_size=args.page_size,
-        max_seqs=max(args.sessions, 1),
-    )
+    engine = Engine(model, EngineConfig.from_args(args, max_seqs=max(args.sessions, 1)))
     sids = [engine.open_session() for _ in range(args.sessions)]
     outputs = {s: [] for s in sids}
     out(

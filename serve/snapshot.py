@@ -53,7 +53,7 @@ def save(engine: Engine, root: str | os.PathLike, extra: dict | None = None) -> 
     is written). Returns the snapshot's directory."""
     if extra is not None and not isinstance(extra, dict):
         raise ValueError(f"extra must be a dict or None, got {type(extra).__name__}")
-    st, ps = engine.state, engine.page_size
+    st = engine.state
     index: dict[int, int] = {}  # pool page -> its index among the saved pages
 
     def refs(pages) -> list[int]:
@@ -64,7 +64,7 @@ def save(engine: Engine, root: str | os.PathLike, extra: dict | None = None) -> 
         busy = s.active is not None or bool(s.queue)
         cached = s.cached if s.seq is not None else 0
         tokens = list(s.tokens[:cached] if busy else s.tokens)
-        row = st.page_table[s.seq, : allocator.pages_for(cached, ps)] if cached else []
+        row = engine.pool.seq_pages(s.seq) if cached else []
         if cached and st.token_ids[s.seq].tolist() != tokens[:cached]:
             raise RuntimeError(f"session {s.id}: its tokens do not describe its sequence's KV")
         rec = {"id": s.id, "tokens": tokens, "cached": cached, "clean": min(s.clean, cached)}
@@ -118,7 +118,7 @@ def restore(engine: Engine, root: str | os.PathLike) -> dict | None:
         raise ValueError("the snapshot does not fit this engine: " + "; ".join(diffs))
     sessions, prefixes, moved, rotated = _parse(engine, meta, arrays)
     st = engine.state
-    k, free = moved.shape[1], len(allocator.free_pages(st))
+    k, free = moved.shape[1], engine.pool.free_count()
     if k > free:
         raise ValueError(
             f"the snapshot holds {k} KV pages; this engine's pool has {free} free of {st.num_pages}"
@@ -135,7 +135,7 @@ def restore(engine: Engine, root: str | os.PathLike) -> dict | None:
             f"session {long[0]['id']} holds {len(long[0]['tokens'])} tokens, more than this "
             f"engine's max_seq_len={st.max_seq_len}"
         )
-    engine.state, pages = paged.load_pages(st, moved, rotated)  # each page: one loader reference
+    pages = engine.pool.load_pages(moved, rotated)  # each page: one loader reference
     for p in prefixes:  # first: the tree maps each saved path to its saved pages
         engine.restore_prefix(p["tokens"], pages[p["pages"]].tolist())
     for r in sessions:  # least recently used first: the engine's LRU order is kept
@@ -146,7 +146,7 @@ def restore(engine: Engine, root: str | os.PathLike) -> dict | None:
             cached=r["cached"],
             clean=r["clean"],
         )
-    engine.state = allocator.release(engine.state, pages)  # drop the loader's references
+    engine.pool.release(pages)  # drop the loader's references
     return meta.get("extra") or {}
 
 

@@ -8,8 +8,8 @@ import pytest
 
 from leyline_jax.directives import Mode, apply_to_list
 from serve import chat
-from serve.conversation import ContextEditor, ReplyMemory, edit_messages, token_directives
-from serve.openai_api import ClearToolUsesEdit, MessageDirective
+from serve.http.extensions import ClearToolUsesEdit, MessageDirective
+from serve.http.history import ContextEditor, ReplyMemory, edit_messages, token_directives
 from serve.policies import STUB
 
 

@@ -32,9 +32,9 @@ from checkpoints.tiny import ensure_default_checkpoints  # noqa: E402
 from leyline_jax import allocator  # noqa: E402
 from leyline_jax.directives import Mode  # noqa: E402
 from serve import chat  # noqa: E402
-from serve.conversation import ModVocabTokenizer, OutputText, parse_tool_calls  # noqa: E402
 from serve.engine import Engine, SamplingParams  # noqa: E402
 from serve.http import Backend, ServerThread, free_port  # noqa: E402
+from serve.http.text import ModVocabTokenizer, OutputText, parse_tool_calls  # noqa: E402
 
 ENGINE = dict(num_pages=512, page_size=16, max_seqs=16, kv_dtype=jnp.float32)
 MODEL = "tiny"

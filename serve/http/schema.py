@@ -6,15 +6,10 @@ does not use (`frequency_penalty`, `user`, `metadata`, ...) are accepted and ign
 OpenAI-compatible servers do; fields whose meaning it cannot honour (`n` > 1, `logprobs`,
 `echo`, non-text content parts) are refused by name.
 
-Our own fields, beside OpenAI's: `session_id` (also the `X-Session-Id` header) names the
-conversation the request continues, and `leyline` carries the edit channel's options
-(`LeylineOptions`: `mode` "amortize" (default) or "forget" for the edit the server finds by
-diffing the re-sent history against the session; `directives`: explicit, message-granular edits
-(`MessageDirective`); `return_token_ids`: also return the prompt's and the completion's token
-ids; `move` and `lineage`: MOVE for this request, and whose cached KV it may move). vLLM's
-`ignore_eos` (generate through the end-of-turn token). Anthropic's context
-editing, `context_management.edits` with `clear_tool_uses_20250919` (`ContextManagement`):
-the server clears old tool results from the history it runs, and reports what it cleared.
+Beside OpenAI's fields: `session_id` (also the `X-Session-Id` header) names the conversation
+the request continues; `leyline` (the edit channel) and `context_management` (Anthropic's
+context editing) are `serve.http.extensions`'; vLLM's `ignore_eos` generates through the
+end-of-turn token.
 """
 
 from __future__ import annotations
@@ -23,38 +18,24 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from serve.engine.caches import OWN_LINEAGE
+from serve.http.extensions import SESSION_ID, ContextManagement, LeylineOptions
 
 __all__ = [
-    "SESSION_ID",
     "ChatCompletionRequest",
-    "ClearToolUsesEdit",
     "CompletionRequest",
-    "ContextManagement",
-    "LeylineOptions",
     "Message",
-    "MessageDirective",
     "Tool",
     "error_body",
     "validation_param",
 ]
 
 MAX_STOP = 4  # as OpenAI
-# a session id: 1 to 256 visible ASCII characters (the server echoes it in the X-Session-Id
-# response header, which carries nothing else)
-SESSION_ID = dict(min_length=1, max_length=256, pattern=r"^[!-~]+$")
 
 
 class _Open(BaseModel):
     """OpenAI's objects: unknown fields are accepted (and ignored)."""
 
     model_config = ConfigDict(extra="allow")
-
-
-class _Closed(BaseModel):
-    """Our own objects: an unknown field is a mistake, reported by name."""
-
-    model_config = ConfigDict(extra="forbid")
 
 
 class FunctionCall(_Open):
@@ -142,93 +123,6 @@ class NamedToolChoice(_Open):
 
 class StreamOptions(_Open):
     include_usage: bool = False
-
-
-class MessageDirective(_Closed):
-    """An explicit edit of the history the request sends, in messages (clients do not know
-    token ids): messages `messages[0]` to `messages[1]` (inclusive indices into the request's
-    `messages`) become one message, the first's role, whose content is `replacement` (its tool
-    calls, if any, are dropped; the others are removed). The model runs the edited history,
-    and the session's KV is spliced (`mode`, default the request's `leyline.mode`) instead of
-    prefilled from the edit on. A client mirrors the edit in its own history
-    (`m[i]["content"] = replacement; del m[i + 1 : j + 1]`) so that its next request extends
-    the session."""
-
-    messages: tuple[int, int]
-    replacement: str = Field("", max_length=1_000_000)
-    mode: Literal["amortize", "forget"] | None = None
-
-    @field_validator("messages")
-    @classmethod
-    def _range(cls, v):
-        i, j = v
-        if i < 0 or j < i:
-            raise ValueError("need 0 <= first <= last (message indices, inclusive)")
-        return v
-
-
-class LeylineOptions(_Closed):
-    mode: Literal["amortize", "forget"] = "amortize"
-    directives: list[MessageDirective] = Field(default_factory=list, max_length=256)
-    return_token_ids: bool = False
-    # MOVE: runs of at least a page the session, or its lineage's cache, holds at another
-    # position are moved and rotated instead of prefilled (the KV then differs from a fresh
-    # prefill's: BENCHMARKS.md measures the drift)
-    move: bool = False
-    # the lineage a new session joins (like vLLM's cache_salt: only sessions of one lineage
-    # MOVE each other's KV); default: its own
-    lineage: str | None = Field(None, min_length=1, max_length=256)
-
-    @field_validator("lineage")
-    @classmethod
-    def _not_own(cls, v):
-        if v is not None and v.startswith(OWN_LINEAGE):
-            raise ValueError(f"names starting with {OWN_LINEAGE!r} are the engine's own")
-        return v
-
-    @field_validator("directives")
-    @classmethod
-    def _apart(cls, v):
-        spans = sorted(d.messages for d in v)
-        for (_, a), (b, _) in zip(spans, spans[1:], strict=False):
-            if b <= a:
-                raise ValueError("directives' message ranges overlap")
-        return v
-
-
-# ---- Anthropic's context editing ------------------------------------------------------------
-class _Count(_Closed):
-    value: int = Field(ge=0, le=2**31)
-
-
-class InputTokens(_Count):
-    type: Literal["input_tokens"]
-
-
-class ToolUses(_Count):
-    type: Literal["tool_uses"]
-
-
-class ClearToolUsesEdit(_Closed):
-    """`clear_tool_uses_20250919`, with Anthropic's defaults: when the history reaches
-    `trigger` (100,000 input tokens), the oldest tool results but the `keep` most recent (3)
-    are replaced by a stub, unless that would clear fewer than `clear_at_least` input tokens;
-    tools named in `exclude_tools` are never cleared; `clear_tool_inputs` also blanks the
-    calls' arguments (true: every cleared call; a list: those tools' calls). What is cleared
-    stays cleared in the session's later requests."""
-
-    type: Literal["clear_tool_uses_20250919"]
-    trigger: InputTokens | ToolUses = Field(
-        default_factory=lambda: InputTokens(type="input_tokens", value=100_000)
-    )
-    keep: ToolUses = Field(default_factory=lambda: ToolUses(type="tool_uses", value=3))
-    clear_at_least: InputTokens | None = None
-    exclude_tools: list[str] | None = None
-    clear_tool_inputs: bool | list[str] = False
-
-
-class ContextManagement(_Closed):
-    edits: list[ClearToolUsesEdit] = Field(max_length=1)
 
 
 def _stops(v):

@@ -1,0 +1,5 @@
+"""`python -m serve.http`: the server (`serve.http.server.main`)."""
+
+from serve.http.server import main
+
+main()

@@ -1,0 +1,92 @@
+"""The routes around the turns: `GET /health`, `GET /metrics` (Prometheus text), `GET
+/v1/models`, `DELETE /v1/sessions/{id}` (close a session: 404 unknown, 409 a turn in flight)
+and `POST /v1/snapshot` (save every session now, as at shutdown; 409 without
+`--snapshot-dir`)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import Path as PathParam
+from fastapi.responses import Response
+
+from serve.http.errors import APIError, unavailable
+from serve.http.extensions import SESSION_ID
+from serve.http.worker import Answer, Close, SessionBusy, Snapshot
+
+
+async def engine_call(worker, make) -> object:
+    """Run a command on the engine thread (`make(answer)` builds it) and await its result.
+    The engine answers between steps; a worker that stopped meanwhile is a 503."""
+    if not worker.alive:
+        raise unavailable()
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+    worker.commands.put(make(Answer(loop, fut)))
+    while True:
+        done, _ = await asyncio.wait({fut}, timeout=1.0)
+        if done:
+            return fut.result()
+        if not worker.thread.is_alive():
+            raise unavailable()
+
+
+def add_routes(app, backend) -> None:
+    worker, metrics = backend.worker, backend.metrics
+
+    @app.get("/health")
+    async def health():
+        if not worker.alive:
+            why = "the engine is not running"
+            return APIError(503, why, None, "server_error", headers={"Retry-After": "5"}).response()
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prom():
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        model = {
+            "id": backend.model_name,
+            "object": "model",
+            "created": backend.created,
+            "owned_by": "leyline-jax",
+            "max_model_len": backend.max_seq_len,
+        }
+        return {"object": "list", "data": [model]}
+
+    @app.delete("/v1/sessions/{session_id}")
+    async def close_session(session_id: str = PathParam(**SESSION_ID)):
+        err = await engine_call(worker, lambda answer: Close(session_id, answer))
+        if isinstance(err, KeyError):
+            raise APIError(
+                404,
+                f"no session {session_id!r}",
+                "session_id",
+                "not_found_error",
+                code="session_not_found",
+            )
+        if isinstance(err, SessionBusy):
+            raise APIError(409, str(err), "session_id", code="session_busy")
+        if err is not None:
+            raise APIError(500, f"closing the session failed: {err}", None, "server_error")
+        return {"id": session_id, "object": "session", "deleted": True}
+
+    @app.post("/v1/snapshot")
+    async def take_snapshot():
+        if backend.snapshot_dir is None:
+            raise APIError(
+                409,
+                "this server was started without --snapshot-dir",
+                "snapshot_dir",
+                code="no_snapshot_dir",
+            )
+        root = backend.snapshot_dir
+        result = await engine_call(worker, lambda answer: Snapshot(root, answer))
+        if isinstance(result, BaseException):
+            raise APIError(500, f"the snapshot failed: {result}", None, "server_error")
+        path, sessions = result
+        return {"object": "snapshot", "path": str(path), "sessions": sessions}

@@ -1,0 +1,100 @@
+"""What the app serves (`Backend`): the engine's worker, the tokenizer, the HTTP sessions and
+the model's public name; `load_backend` builds one from a model name or path.
+
+Tokenizers. A checkpoint gets `serve.chat.tokenizer_for(path)` (a GGUF file: its own tokenizer
+and ChatML; anything else: DeepSeek's tokenizer and layout). A model whose vocabulary is smaller
+than its tokenizer's, such as the embedded tiny default (256 ids) with DeepSeek's tokenizer
+(129,280), gets `ModVocabTokenizer`: every id the tokenizer makes is taken modulo the model's
+vocabulary. The chat layout and its exact per-message spans are kept (DeepSeek's BOS and EOS,
+ids 0 and 1, are the tiny model's own); text decodes through the tokenizer's first ids (bytes
+and a few specials). Good for exercising the server; the text itself is of course noise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+from serve import chat
+from serve.engine import Engine, EngineConfig
+from serve.http.metrics import Metrics
+from serve.http.sessions import HttpSessions
+from serve.http.text import ModVocabTokenizer
+from serve.http.worker import EngineWorker
+
+DEFAULT_MAX_TOKENS = 256  # chat completions without max_tokens: this, within the context
+
+
+@dataclasses.dataclass
+class Backend:
+    worker: EngineWorker
+    tokenizer: object
+    model_name: str
+    max_seq_len: int
+    vocab_size: int
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
+    request_timeout_s: float = 600.0
+    snapshot_dir: str | None = None  # durable sessions: restored at start, saved at shutdown
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+    @property
+    def metrics(self) -> Metrics:
+        return self.worker.metrics
+
+    @property
+    def sessions(self) -> HttpSessions:
+        return self.worker.sessions
+
+    @classmethod
+    def for_engine(cls, engine, tokenizer, model_name: str, *, max_queue: int = 64, **kw):
+        vocab = engine.model.config.vocab_size
+        if tokenizer.vocab_size > vocab:
+            tokenizer = ModVocabTokenizer(tokenizer, vocab)
+        sessions = HttpSessions(lambda text: len(tokenizer.encode(text)))
+        worker = EngineWorker(engine, Metrics(), sessions, max_queue=max_queue)
+        return cls(worker, tokenizer, model_name, engine.state.max_seq_len, vocab, **kw)
+
+
+def parse_mesh(text: str):
+    """ "DATAxMODEL" -> a `leyline_jax.MeshConfig` over the first DATA*MODEL devices."""
+    import leyline_jax as ll
+
+    data, sep, model = text.lower().partition("x")
+    if not sep or not data.isdigit() or not model.isdigit():
+        raise ValueError(f"mesh {text!r} must be DATAxMODEL, e.g. 2x4")
+    return ll.MeshConfig.create(data=int(data), model=int(model))
+
+
+def load_backend(
+    model: str = "tiny",
+    config: EngineConfig | None = None,
+    *,
+    root: str = ".checkpoints",
+    name: str | None = None,
+    max_queue: int = 64,
+    warmup: bool = False,
+    mesh: str | None = None,
+    **kw,
+) -> Backend:
+    """Load a model ("tiny": the embedded default, written under `root`; "smollm2"; a
+    checkpoint directory or .gguf file), its tokenizer and an engine of `config` (not
+    started). `mesh`: "DATAxMODEL" (e.g. "2x4") to serve over that device mesh (None: one
+    device). `kw`: `Backend` fields."""
+    import leyline_jax as ll
+
+    if model == "tiny":
+        from checkpoints.tiny import ensure_default_checkpoints
+
+        path = str(ensure_default_checkpoints(root)["deepseek_v3"])
+        tokenizer = chat.ChatTokenizer()
+    else:
+        path = chat.model_path(model)
+        tokenizer = chat.tokenizer_for(path)
+    grid = None if mesh is None else parse_mesh(mesh)
+    m = ll.load_model(path, mesh=grid)  # each param placed on its shards as it is read
+    engine = Engine(m, config, mesh=grid)
+    if warmup:
+        engine.warmup()
+    served = name or (model if model in ("tiny", "smollm2") else Path(path).name)
+    return Backend.for_engine(engine, tokenizer, served, max_queue=max_queue, **kw)

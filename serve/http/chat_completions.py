@@ -1,0 +1,190 @@
+"""`POST /v1/chat/completions`: a chat turn, with the edit channel.
+
+The harness re-sends the whole history as usual; the server renders it (`serve.chat.render`,
+`tools` in the model's chat layout) with the session's remembered replies' sampled ids in
+place, and the engine diffs it against the session's tokens (`Engine.submit_prompt`): an
+unmodified harness that edits its own history gets a splice instead of a re-prefill (AMORTIZE
+by default, FORGET with `"leyline": {"mode": "forget"}`). Explicit message-granular directives
+(`leyline.directives`) become token directives in the rendered history's coordinates, each in
+its own mode; `context_management` (Anthropic's `clear_tool_uses_20250919`) is applied to the
+history before rendering and reported in `context_management.applied_edits`. Tool calls in
+the output are parsed back into `tool_calls`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+
+from fastapi import Request
+
+from leyline_jax.directives import Mode, apply_to_list
+from serve import chat
+from serve.http.errors import APIError
+from serve.http.history import edit_messages, token_directives
+from serve.http.schema import ChatCompletionRequest
+from serve.http.text import OutputText, parse_tool_calls, tool_markers
+from serve.http.turn import (
+    Outcome,
+    Reply,
+    SessionHeader,
+    Turns,
+    data,
+    finish_reason,
+    leyline_extra,
+    session_key,
+    usage,
+)
+
+
+@dataclasses.dataclass
+class Turn:
+    """A chat request as the engine runs it."""
+
+    prompt: list[int]  # the rendered history as sent (replies' sampled ids in place)
+    directives: list  # explicit edits, token directives in `prompt`'s coordinates
+    use_tools: bool
+    applied_edits: list[dict] | None  # context_management's report (None: not asked)
+
+    @property
+    def final(self) -> list[int]:
+        """The prompt the model runs: `prompt` with the directives applied."""
+        return apply_to_list(self.prompt, self.directives)
+
+
+def render(req: ChatCompletionRequest, key: str | None, tok, sessions) -> Turn:
+    """The request's history as the engine gets it: server-side context editing first
+    (`context_management`), then the rendered history and the explicit directives
+    (`leyline.directives`) as token directives in its coordinates."""
+    messages = [m.as_chat_dict() for m in req.messages]
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    applied = None
+    if req.context_management is not None:
+        applied = []
+        for edit in req.context_management.edits:
+            messages, report = sessions.clear_tool_uses(key, messages, edit)
+            if report["cleared_tool_uses"]:
+                applied.append(report)
+    mds = req.options.directives
+    for k, d in enumerate(mds):
+        if d.messages[1] >= len(messages):
+            param = f"leyline.directives.{k}.messages"
+            raise APIError(
+                400,
+                f"{param}: {list(d.messages)} is out of range for {len(messages)} messages",
+                param,
+            )
+    try:
+        r = chat.render(tok, messages, tools)
+        edited = edit_messages(messages, mds) if mds else messages
+        final = chat.render(tok, edited, tools) if mds else r
+    except (KeyError, ValueError, TypeError) as e:
+        raise APIError(400, f"messages: cannot render: {e}", "messages") from e
+    prompt = sessions.substitute(key, messages, r)
+    ds = []
+    if mds:
+        target = sessions.substitute(key, edited, final)
+        ds = token_directives(prompt, target, mds, Mode[req.options.mode.upper()])
+    use_tools = bool(req.tools) and req.tool_choice != "none"
+    return Turn(prompt.tokens, ds, use_tools, applied)
+
+
+class ChatReply(Reply):
+    """A chat turn's answer: `chat.completion`, or `chat.completion.chunk` events."""
+
+    def __init__(self, req, key, turn: Turn, text: OutputText, backend):
+        self.req, self.key, self.turn, self.text, self.backend = req, key, turn, text, backend
+        self.head = {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": backend.model_name,
+        }
+
+    def _chunk(self, delta, finish=None, usage_=None, choices=True) -> dict:
+        c = dict(self.head)
+        one = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        c["choices"] = [one] if choices else []
+        if usage_ is not None:
+            c["usage"] = usage_
+        return c
+
+    def _finish(self, out: Outcome) -> tuple[str, list[dict], dict]:
+        """(content, tool calls, the extras every answer ends with), the reply remembered."""
+        text, tok = self.text, self.backend.tokenizer
+        parsed = parse_tool_calls(text.text) if self.turn.use_tools else (text.text, [])
+        content, calls = parsed
+        if self.key is not None and not calls and not text.stopped:
+            # a reply cut by a stop string or carrying tool calls is re-sent otherwise
+            out_ids = out.output
+            ids = out_ids[:-1] if out_ids and out_ids[-1] in tok.stop_tokens else out_ids
+            self.backend.sessions.remember(self.key, text.text, list(ids))
+        extra = {"leyline": leyline_extra(self.req, self.key, self.turn.final, out.output,
+                                          self.turn.directives)}  # fmt: skip
+        if self.turn.applied_edits is not None:
+            extra["context_management"] = {"applied_edits": self.turn.applied_edits}
+        return content, calls, extra
+
+    def opening(self) -> list[dict]:
+        return [data(self._chunk({"role": "assistant", "content": ""}))]
+
+    def delta(self, text: str) -> dict:
+        return data(self._chunk({"content": text}))
+
+    def closing(self, out: Outcome) -> list[dict]:
+        text, events = self.text, []
+        delta = text.update(out.output, final=True)
+        if delta:
+            events.append(self._chunk({"content": delta}))
+        content, calls, extra = self._finish(out)
+        if calls:
+            events.append(
+                self._chunk({"tool_calls": [dict(c, index=i) for i, c in enumerate(calls)]})
+            )
+        elif self.turn.use_tools and len(text.text) > text.sent:  # held back at a marker,
+            events.append(self._chunk({"content": text.text[text.sent :]}))  # but no call
+        fin = "tool_calls" if calls else finish_reason(text, out.output)
+        use = usage(out.stats, len(out.output))
+        opts = self.req.stream_options
+        if opts is not None and opts.include_usage:
+            events += [self._chunk({}, fin), self._chunk({}, usage_=use, choices=False)]
+        else:
+            events.append(self._chunk({}, fin, usage_=use))
+        events[-1].update(extra)
+        return [data(e) for e in events]
+
+    def body(self, out: Outcome) -> dict:
+        self.text.update(out.output, final=True)
+        content, calls, extra = self._finish(out)
+        message = {"role": "assistant", "content": content or (None if calls else "")}
+        if calls:
+            message["tool_calls"] = calls
+        fin = "tool_calls" if calls else finish_reason(self.text, out.output)
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": fin}
+        body = dict(self.head, object="chat.completion", choices=[choice])
+        body["usage"] = usage(out.stats, len(out.output))
+        body["session_id"] = self.key
+        return body | extra
+
+
+def add_route(app, turns: Turns) -> None:
+    backend = turns.backend
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(
+        req: ChatCompletionRequest, request: Request, x_session_id: SessionHeader = None
+    ):
+        turns.check_model(req.model)
+        key = session_key(req.session_id, x_session_id)
+        if (why := req.tool_choice_error()) is not None:
+            raise APIError(400, why, "tool_choice")
+        tok = backend.tokenizer
+        turn = render(req, key, tok, backend.sessions)
+        asked, field = req.max_new
+        sampling = turns.sampling(req, len(turn.final), asked, field)
+        job = turns.start(turn.prompt, sampling, req, key, turn.directives)
+        markers = tool_markers(tok) if turn.use_tools else ()
+        text = OutputText(tok, tok.stop_tokens, req.stops, markers)
+        reply = ChatReply(req, key, turn, text, backend)
+        return await turns.respond(job, request, text, reply, key, stream=req.stream)

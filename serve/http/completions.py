@@ -1,0 +1,99 @@
+"""`POST /v1/completions`: a text completion of a prompt (text or token ids), in a session like
+a chat turn (`session_id` / `X-Session-Id`): the engine diffs the prompt against the session's
+tokens, so an edited prompt is spliced."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi import Request
+
+from serve.http.errors import APIError
+from serve.http.schema import CompletionRequest
+from serve.http.text import OutputText
+from serve.http.turn import (
+    Outcome,
+    Reply,
+    SessionHeader,
+    Turns,
+    data,
+    finish_reason,
+    leyline_extra,
+    session_key,
+    usage,
+)
+
+
+class TextReply(Reply):
+    """A completion's answer: `text_completion` objects, whole or one per event."""
+
+    field = "prompt"
+
+    def __init__(self, req, key, prompt, text: OutputText, model_name: str):
+        self.req, self.key, self.prompt, self.text = req, key, prompt, text
+        self.head = {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": model_name,
+        }
+
+    def _body(self, choices, out: Outcome | None = None) -> dict:
+        b = dict(self.head, choices=choices)
+        if out is not None:
+            b["usage"] = usage(out.stats, len(out.output))
+            b["session_id"] = self.key
+            b["leyline"] = leyline_extra(self.req, self.key, self.prompt, out.output)
+        return b
+
+    @staticmethod
+    def _choice(text: str, finish=None) -> dict:
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+
+    def delta(self, text: str) -> dict:
+        return data(self._body([self._choice(text)]))
+
+    def closing(self, out: Outcome) -> list[dict]:
+        delta = self.text.update(out.output, final=True)
+        last = self._choice(delta, finish_reason(self.text, out.output))
+        opts = self.req.stream_options
+        if opts is not None and opts.include_usage:
+            return [data(self._body([last])), data(self._body([], out))]
+        return [data(self._body([last], out))]
+
+    def body(self, out: Outcome) -> dict:
+        self.text.update(out.output, final=True)
+        fin = finish_reason(self.text, out.output)
+        return self._body([self._choice(self.text.text, fin)], out)
+
+
+def add_route(app, turns: Turns) -> None:
+    backend = turns.backend
+
+    @app.post("/v1/completions")
+    async def completions(
+        req: CompletionRequest, request: Request, x_session_id: SessionHeader = None
+    ):
+        turns.check_model(req.model)
+        key = session_key(req.session_id, x_session_id)
+        tok = backend.tokenizer
+        if isinstance(req.prompt, str):
+            prompt = tok.encode(req.prompt)
+            if not prompt:
+                raise APIError(400, "prompt: the text encodes to no token", "prompt")
+        else:
+            prompt = list(req.prompt)
+            bad = [t for t in prompt if t >= backend.vocab_size]
+            if bad:
+                raise APIError(
+                    400,
+                    f"prompt: token id {bad[0]} is outside the vocabulary "
+                    f"[0, {backend.vocab_size})",
+                    "prompt",
+                )
+        sampling = turns.sampling(req, len(prompt), req.max_tokens, "max_tokens")
+        job = turns.start(prompt, sampling, req, key)
+        text = OutputText(tok, tok.stop_tokens, req.stops, ())
+        reply = TextReply(req, key, prompt, text, backend.model_name)
+        return await turns.respond(job, request, text, reply, key, stream=req.stream)

@@ -1,0 +1,157 @@
+"""Running the server: `python -m serve.http` (`main`), and `ServerThread` (uvicorn in a thread
+of this process, for tests and benchmarks).
+
+    python -m serve.http --model PATH|tiny|smollm2 [--port 8000] [--host 127.0.0.1]
+        [--num-pages N] [--page-size N] [--max-seqs N] [--kv-dtype bf16|fp32] ...
+        [--max-queue 64] [--warmup] [--compile-cache DIR|off] [--snapshot-dir DIR]
+
+The engine's flags and their defaults are `serve.engine.EngineConfig`'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+
+from serve.engine import EngineConfig
+from serve.http.app import build_app, save_at_shutdown
+from serve.http.backend import DEFAULT_MAX_TOKENS, Backend, load_backend
+
+log = logging.getLogger("serve.http")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class ServerThread:
+    """uvicorn serving `backend` in a thread of this process; the engine worker starts with it
+    and stops with it."""
+
+    def __init__(self, backend: Backend, host: str = "127.0.0.1", port: int | None = None):
+        import uvicorn
+
+        self.backend, self.host = backend, host
+        self.port = port or free_port(host)
+        self.app = build_app(backend)
+        config = uvicorn.Config(
+            self.app,
+            host=host,
+            port=self.port,
+            log_level="warning",
+            lifespan="off",
+            timeout_graceful_shutdown=2,
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> ServerThread:
+        self.backend.worker.start()
+        self.thread.start()
+        t0 = time.time()
+        while not self.server.started:
+            if time.time() - t0 > timeout or not self.thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.backend.worker.stop()
+        save_at_shutdown(self.backend)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description="An OpenAI-compatible HTTP server over the engine")
+    ap.add_argument(
+        "--model",
+        default="tiny",
+        help="tiny (the embedded default), smollm2, a checkpoint dir or .gguf file",
+    )
+    ap.add_argument("--served-model-name", default=None, help="the model's id in the API")
+    ap.add_argument("--root", default=".checkpoints", help="where the tiny default lives")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    EngineConfig.add_arguments(ap)
+    ap.add_argument("--max-queue", type=int, default=64, help="requests in flight before 429")
+    ap.add_argument(
+        "--max-tokens",
+        type=int,
+        default=DEFAULT_MAX_TOKENS,
+        help="a chat completion's budget when the request sets none",
+    )
+    ap.add_argument("--request-timeout", type=float, default=600.0)
+    ap.add_argument("--warmup", action="store_true", help="compile every step shape first")
+    ap.add_argument("--mesh", default=None, help="a DATAxMODEL device mesh, e.g. 2x4")
+    ap.add_argument(
+        "--snapshot-dir",
+        default=None,
+        help="durable sessions: restore them from DIR at start, save them there on shutdown "
+        "(SIGTERM, SIGINT) and on POST /v1/snapshot",
+    )
+    ap.add_argument(
+        "--compile-cache",
+        default=None,
+        help="keep compiled programs in DIR (default: serve.compile_cache's; off)",
+    )
+    return ap
+
+
+def main(argv=None) -> None:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+
+    from serve import compile_cache
+
+    compile_cache.enable(args.compile_cache)
+    backend = load_backend(
+        args.model,
+        EngineConfig.from_args(args),
+        root=args.root,
+        name=args.served_model_name,
+        max_queue=args.max_queue,
+        warmup=args.warmup,
+        mesh=args.mesh,
+        default_max_tokens=args.max_tokens,
+        request_timeout_s=args.request_timeout,
+        snapshot_dir=args.snapshot_dir,
+    )
+    import uvicorn
+
+    app = build_app(backend)
+    backend.worker.start()
+    log.info(
+        "serving %s on http://%s:%d (pid %d)", backend.model_name, args.host, args.port, os.getpid()
+    )
+    # uvicorn shuts down gracefully on SIGTERM / SIGINT, puts back the handlers it found and
+    # raises the signal again: these handlers then let the shutdown snapshot run and the
+    # process exit 0 (a signal during the snapshot itself is ignored: it completes)
+    stops: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stops.append(signum))
+    try:
+        # requests still running get 10 s to finish, then the worker fails what is left (503)
+        uvicorn.run(
+            app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=10
+        )
+    finally:
+        backend.worker.stop()
+        save_at_shutdown(backend)

@@ -1,0 +1,276 @@
+"""The one turn path every generating route shares (`Turns`): check the model, size the token
+budget, hand the turn to the engine thread, follow its events, and answer, whole (JSON) or
+streamed (SSE: a token leaves as soon as the step that sampled it ends). A route supplies the
+prompt and a `Reply`, which words the answer in its own objects (chat or text completion).
+
+A client that disconnects mid-stream (or before a non-streaming answer) cancels its turn: the
+engine stops working on it at the next step. Past `request_timeout_s` the turn is cancelled and
+the answer is a 504. A stop string ends the turn where it is found.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Annotated
+
+from fastapi import Header, Request
+from fastapi.responses import JSONResponse
+from sse_starlette.sse import EventSourceResponse
+
+from leyline_jax.directives import Mode
+from serve.engine import RequestError, SamplingParams, TurnCancelled
+from serve.http.errors import APIError, unavailable
+from serve.http.extensions import SESSION_ID
+from serve.http.schema import error_body
+from serve.http.text import OutputText
+from serve.http.worker import Job, QueueFull, ShuttingDown
+
+# the X-Session-Id header: names the conversation, like the body's `session_id`
+SessionHeader = Annotated[str | None, Header(**SESSION_ID)]
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What a turn's events gave its route."""
+
+    output: list[int] = dataclasses.field(default_factory=list)  # the generated token ids
+    stats: object = None  # TurnStats, once the turn ended
+    gone: bool = False  # the client went away first
+
+
+class Reply:
+    """How a route words a turn's answer (subclassed per route). `field`: the request field
+    an engine error names."""
+
+    field = "messages"
+
+    def opening(self) -> list[dict]:  # SSE events before the first delta
+        return []
+
+    def delta(self, text: str) -> dict:  # the SSE event carrying new text
+        raise NotImplementedError
+
+    def closing(self, out: Outcome) -> list[dict]:  # SSE events after the last delta
+        raise NotImplementedError
+
+    def body(self, out: Outcome) -> dict:  # the whole answer
+        raise NotImplementedError
+
+
+def usage(stats, completion: int) -> dict:
+    """OpenAI's usage, with ours: reused + spliced = cached, cached + prefilled = prompt."""
+    cached = stats.reused_tokens + stats.spliced_tokens
+    return {
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": stats.prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+        "reused_tokens": stats.reused_tokens,
+        "spliced_tokens": stats.spliced_tokens,
+        "prefilled_tokens": stats.prefilled_tokens,
+    }
+
+
+def session_key(body_id: str | None, header_id: str | None) -> str | None:
+    if body_id is not None and header_id is not None and body_id != header_id:
+        raise APIError(
+            400, "session_id and the X-Session-Id header name different sessions", "session_id"
+        )
+    return body_id if body_id is not None else header_id
+
+
+def session_headers(key: str | None) -> dict:
+    return {"X-Session-Id": key} if key is not None else {}
+
+
+def data(obj) -> dict:
+    """One SSE event carrying `obj` as JSON."""
+    return {"data": json.dumps(obj, ensure_ascii=False)}
+
+
+def finish_reason(text: OutputText, output: list[int]) -> str:
+    """ "stop" for a stop string or token, else "length" (the budget ran out)."""
+    return "stop" if text.stopped or (output and output[-1] in text.stop_ids) else "length"
+
+
+def leyline_extra(req, key, prompt, output, directives=()) -> dict:
+    """The answer's `leyline` object: the session, the token directives the turn carried and,
+    when asked, the prompt's and the output's token ids."""
+    extra: dict = {"session_id": key}
+    if directives:
+        extra["directives"] = [
+            {
+                "start": d.start,
+                "end": d.end,
+                "replacement_tokens": len(d.replacement),
+                "mode": d.mode.name.lower(),
+            }
+            for d in directives
+        ]
+    if req.options.return_token_ids:
+        extra["prompt_token_ids"] = list(prompt)
+        extra["output_token_ids"] = list(output)
+    return extra
+
+
+class Turns:
+    def __init__(self, backend):
+        self.backend, self.worker = backend, backend.worker
+
+    def check_model(self, name: str) -> None:
+        if name != self.backend.model_name:
+            raise APIError(
+                400,
+                f"model {name!r} does not exist; this server serves {self.backend.model_name!r}",
+                "model",
+                code="model_not_found",
+            )
+
+    def sampling(self, req, prompt_len: int, asked: int | None, field: str) -> SamplingParams:
+        """The turn's sampling, its budget `asked` (None: the server's default, within the
+        context) checked against the context left after a `prompt_len`-token prompt."""
+        limit = self.backend.max_seq_len
+        room = limit - prompt_len
+        if room < 1:
+            raise APIError(
+                400,
+                f"the prompt is {prompt_len} tokens; this model's context is {limit}",
+                "messages" if field != "prompt" else "prompt",
+                code="context_length_exceeded",
+            )
+        if asked is None:
+            asked = min(self.backend.default_max_tokens, room)
+        elif asked > room:
+            raise APIError(
+                400,
+                f"{field}={asked} with a {prompt_len}-token prompt exceeds the context of "
+                f"{limit} tokens",
+                field,
+                code="context_length_exceeded",
+            )
+        return SamplingParams(
+            max_new_tokens=asked,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            seed=req.seed or 0,
+            stop_tokens=() if req.ignore_eos else self.backend.tokenizer.stop_tokens,
+        )
+
+    def start(self, prompt, sampling, req, key, directives=()) -> Job:
+        """Hand the turn to the engine thread (429 when its queue is full, 503 when it is not
+        running)."""
+        loop = asyncio.get_running_loop()
+        mode = Mode[req.options.mode.upper()]
+        job = Job(prompt, sampling, mode, key, loop, asyncio.Queue(), list(directives))
+        job.move, job.lineage = req.options.move, req.options.lineage
+        job.incremental = req.stream or bool(req.stops)  # else nothing to do before the end
+        if not self.worker.alive:
+            raise unavailable()
+        try:
+            self.worker.submit(job)
+        except QueueFull as e:
+            raise APIError(
+                429,
+                f"the server is busy ({e}); retry later",
+                None,
+                "rate_limit_error",
+                code="queue_full",
+                headers={"Retry-After": "1"},
+            ) from e
+        return job
+
+    async def respond(
+        self, job: Job, request: Request, text: OutputText, reply: Reply, key, *, stream: bool
+    ):
+        """Follow the turn to its end and answer: `reply.body` as JSON, or (`stream`)
+        `reply`'s events as SSE, then `[DONE]`; an error mid-stream is the stream's last event
+        before `[DONE]`."""
+        if not stream:
+            out = Outcome()
+            async for _ in self._deltas(job, request, text, reply.field, out):
+                pass
+            if out.gone:
+                raise APIError(499, "the client went away", None, code="cancelled")
+            return JSONResponse(reply.body(out), headers=session_headers(key))
+
+        async def events():
+            out = Outcome()
+            for ev in reply.opening():
+                yield ev
+            try:
+                async for delta in self._deltas(job, request, text, reply.field, out):
+                    yield reply.delta(delta)
+            except APIError as e:
+                yield data(error_body(e.message, param=e.param, type_=e.type, code=e.code))
+                yield {"data": "[DONE]"}
+                return
+            if out.gone:
+                return
+            for ev in reply.closing(out):
+                yield ev
+            yield {"data": "[DONE]"}
+
+        return EventSourceResponse(events(), headers=session_headers(key), ping=15)
+
+    async def _events(self, job: Job, request: Request) -> AsyncIterator[tuple]:
+        """The job's events; cancels the turn when the client goes away or time runs out."""
+        deadline = job.arrived + self.backend.request_timeout_s
+        try:
+            while True:
+                try:
+                    ev = await asyncio.wait_for(job.events.get(), timeout=0.25)
+                except TimeoutError:
+                    if await request.is_disconnected():
+                        self.worker.cancel(job)
+                        yield ("gone",)
+                        return
+                    if not self.worker.thread.is_alive():  # events come from it alone
+                        raise unavailable() from None
+                    if time.perf_counter() > deadline:
+                        self.worker.cancel(job)
+                        raise APIError(
+                            504, "the request timed out", None, "server_error", code="timeout"
+                        ) from None
+                    continue
+                yield ev
+                if ev[0] in ("done", "error"):
+                    return
+        finally:
+            if not job.done:
+                self.worker.cancel(job)
+
+    async def _deltas(self, job: Job, request: Request, text: OutputText, field, out: Outcome):
+        """The text a turn's output may send so far, delta by delta, as its tokens arrive
+        (`out` collects the tokens and the turn's stats). A stop string ends the turn here;
+        an engine error raises the APIError for `field`; a client gone sets `out.gone`."""
+        async for ev in self._events(job, request):
+            if ev[0] == "tokens":
+                out.output += ev[1]
+                delta = text.update(out.output)
+                if text.stopped:
+                    self.worker.cancel(job)
+                if delta:
+                    yield delta
+            elif ev[0] == "done":
+                out.stats = ev[1]
+            elif ev[0] == "gone":
+                out.gone = True
+                return
+            elif not (text.stopped and isinstance(ev[1], TurnCancelled)):
+                raise self._engine_error(ev[1], field)
+        if out.stats is None:  # cut by a stop string: the engine has ended the turn
+            out.stats = job.request.stats
+
+    @staticmethod
+    def _engine_error(e: BaseException, field: str) -> APIError:
+        if isinstance(e, TurnCancelled):
+            return APIError(499, "the request was cancelled", None, code="cancelled")
+        if isinstance(e, ShuttingDown):
+            return unavailable(str(e))
+        if isinstance(e, (RequestError, ValueError, KeyError)):
+            return APIError(400, str(e), field, code="invalid_request")
+        return APIError(500, f"internal error: {type(e).__name__}: {e}", None, "server_error")

@@ -1,0 +1,289 @@
+"""The engine's thread for the HTTP server: it alone touches the engine.
+
+Requests reach it as typed commands on a queue (`Submit`, `Cancel`, `Close`, `Snapshot`);
+after every engine step it hands each request's newly sampled tokens to that request's asyncio
+queue (`Job.post`), and it keeps the server's metrics. A command that fails fails alone (its
+caller gets the error), never the thread; an engine step that raises fails what is in flight
+and the thread keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from pathlib import Path
+
+from serve.engine import Status, TurnCancelled
+from serve.http.metrics import Metrics
+from serve.http.sessions import HttpSessions
+
+log = logging.getLogger("serve.http")
+
+__all__ = ["EngineWorker", "Job", "QueueFull", "SessionBusy", "ShuttingDown"]
+
+
+class QueueFull(RuntimeError):
+    """As many requests are in flight as the server takes."""
+
+
+class ShuttingDown(RuntimeError):
+    """The server stops: the turn did not finish (retry later, after the restart)."""
+
+
+class SessionBusy(RuntimeError):
+    """A session with a turn in flight cannot be closed."""
+
+
+@dataclasses.dataclass(eq=False)
+class Job:
+    """One HTTP request's turn, as the engine thread tracks it."""
+
+    prompt: list[int]
+    sampling: object  # SamplingParams
+    mode: object  # Mode
+    session_key: str | None  # None: a session of its own, closed when the turn ends
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue
+    directives: list = dataclasses.field(default_factory=list)  # in `prompt`'s coordinates
+    move: bool = False  # MOVE for this turn (`Engine.submit_prompt`)
+    lineage: str | None = None  # a new session's lineage (`Engine.open_session`)
+    incremental: bool = True  # tokens as each step samples them (else once, at the end)
+    arrived: float = dataclasses.field(default_factory=time.perf_counter)
+    request: object = None  # the engine's Request, once submitted
+    sid: int | None = None
+    sent: int = 0
+    cancelled: bool = False
+    done: bool = False
+
+    def post(self, *event) -> None:
+        _call_soon(self.loop, self.events.put_nowait, event)
+
+
+def _call_soon(loop, fn, *args) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the event loop is gone (shutdown)
+        pass
+
+
+@dataclasses.dataclass
+class Answer:
+    """Where a command's result goes: a future of the event loop that waits for it."""
+
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+
+    def __call__(self, result) -> None:
+        def set_():
+            if not self.future.done():
+                self.future.set_result(result)
+
+        _call_soon(self.loop, set_)
+
+
+# ---- the commands ----------------------------------------------------------------------------
+@dataclasses.dataclass
+class Submit:
+    job: Job
+
+
+@dataclasses.dataclass
+class Cancel:
+    job: Job
+
+
+@dataclasses.dataclass
+class Close:
+    name: str
+    answer: Answer  # None, KeyError (no such session) or SessionBusy
+
+
+@dataclasses.dataclass
+class Snapshot:
+    root: str
+    answer: Answer  # (its directory, how many HTTP sessions), or the error
+
+
+@dataclasses.dataclass
+class Wake:
+    pass
+
+
+class EngineWorker:
+    """The thread that owns the engine. Everything else talks to it through `commands`."""
+
+    def __init__(self, engine, metrics: Metrics, sessions: HttpSessions, max_queue: int = 64):
+        self.engine, self.metrics, self.sessions = engine, metrics, sessions
+        self.max_queue = max_queue
+        self.commands: queue.Queue = queue.Queue()
+        self.jobs: list[Job] = []  # submitted, not yet ended (engine thread only)
+        self.pending = 0  # jobs accepted and not yet ended (guarded by _lock)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="leyline-engine", daemon=True)
+
+    # -- called from the HTTP side ------------------------------------------------------------
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop after the step in flight (waits for it: a step ends); turns still in flight
+        fail with `ShuttingDown`, their sessions keeping what they did."""
+        self._stop.set()
+        self.commands.put(Wake())
+        self.thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self.thread.is_alive() and not self._stop.is_set()
+
+    def submit(self, job: Job) -> None:
+        with self._lock:
+            if self.pending >= self.max_queue:
+                raise QueueFull(f"{self.pending} requests in flight (the limit)")
+            self.pending += 1
+        self.commands.put(Submit(job))
+
+    def cancel(self, job: Job) -> None:
+        if not job.done:
+            job.cancelled = True
+            self.commands.put(Cancel(job))
+
+    def snapshot(self, root) -> tuple[Path, int]:
+        """Save the engine's sessions under `root` (`serve.snapshot.save`) with the HTTP
+        sessions' own state; (its directory, how many HTTP sessions). On the engine thread
+        between steps, or once it stopped."""
+        from serve import snapshot
+
+        extra = self.sessions.export()
+        return snapshot.save(self.engine, root, extra), len(extra["http_sessions"])
+
+    # -- the engine thread --------------------------------------------------------------------
+    def _run(self) -> None:
+        eng = self.engine
+        while not self._stop.is_set():
+            try:
+                block = eng.idle() and not self.jobs
+                cmd = self.commands.get(timeout=0.5) if block else self.commands.get_nowait()
+                self._handle(cmd)
+                while True:
+                    self._handle(self.commands.get_nowait())
+            except queue.Empty:
+                pass
+            try:
+                if not eng.idle():
+                    t0 = time.perf_counter()
+                    eng.step()
+                    self.metrics.step.observe(time.perf_counter() - t0)
+                self._publish()
+            except Exception as e:  # an engine bug: fail what is in flight, keep serving
+                log.exception("engine step failed")
+                self.error = e
+                self._fail_all(e)
+        self._fail_all(ShuttingDown("the server is shutting down; retry later"))
+        while True:  # answer what is still queued, so no caller waits for ever
+            try:
+                self._handle(self.commands.get_nowait())
+            except queue.Empty:
+                break
+
+    def _fail_all(self, error: Exception) -> None:
+        for job in list(self.jobs):
+            if job.request is not None and not job.request.finished:
+                self.engine.cancel(job.request)
+            self._end(job, ("error", error))
+
+    def _handle(self, cmd) -> None:
+        """One command; whatever goes wrong fails that command alone."""
+        try:
+            match cmd:
+                case Submit(job) if self._stop.is_set():
+                    self._end(job, ("error", ShuttingDown("the server is shutting down")))
+                case Submit(job):
+                    self._submit(job)
+                case Cancel(job) if job.request is not None and not job.done:
+                    self.engine.cancel(job.request)
+                case Close(name, answer):
+                    answer(self._close(name))
+                case Snapshot(root, answer):
+                    answer(self.snapshot(root))
+        except Exception as e:
+            log.exception("command %s failed", type(cmd).__name__)
+            if isinstance(cmd, (Close, Snapshot)):
+                cmd.answer(e)
+            elif isinstance(cmd, Submit):
+                self._end(cmd.job, ("error", e))
+
+    def _close(self, name: str):
+        sid = self.sessions.engine_session(name)
+        if sid is None:
+            return KeyError(name)
+        if any(j.sid == sid for j in self.jobs):
+            return SessionBusy(f"session {name!r} has a turn in flight")
+        self.engine.close_session(sid)
+        self.sessions.drop(name)
+        return None
+
+    def _submit(self, job: Job) -> None:
+        eng = self.engine
+        if job.cancelled:
+            self._end(job, ("error", TurnCancelled("the turn was cancelled")))
+            return
+        known = None if job.session_key is None else self.sessions.engine_session(job.session_key)
+        job.sid = eng.open_session(lineage=job.lineage) if known is None else known
+        try:
+            job.request = eng.submit_prompt(
+                job.sid,
+                job.prompt,
+                mode=job.mode,
+                sampling=job.sampling,
+                directives=job.directives,
+                move=job.move,
+            )
+        except (ValueError, KeyError) as e:
+            if known is None:  # nothing of the session exists yet: do not keep an empty one
+                eng.close_session(job.sid)
+                job.sid = None
+            self._end(job, ("error", e))
+            return
+        if known is None and job.session_key is not None:
+            self.sessions.bind(job.session_key, job.sid)
+        self.jobs.append(job)
+
+    def _publish(self) -> None:
+        for job in list(self.jobs):
+            r = job.request
+            if len(r.output) > job.sent and (job.incremental or r.finished):
+                job.post("tokens", list(r.output[job.sent :]))
+                job.sent = len(r.output)
+            if r.finished:
+                if r.error is None:
+                    self.metrics.turn_done(job)
+                self._end(job, ("error", r.error) if r.error else ("done", r.stats))
+        running = sum(1 for j in self.jobs if j.request.status in (Status.PREFILL, Status.DECODE))
+        self.metrics.running.set(running)
+        self.metrics.queue_depth.set(len(self.jobs) - running)
+        self.metrics.free_pages.set(self.engine.pool.free_count())
+        self.metrics.sessions.set(len(self.engine.sessions))
+
+    def _end(self, job: Job, event) -> None:
+        if job.done:
+            return
+        job.done = True
+        if job in self.jobs:
+            self.jobs.remove(job)
+        outcome = event[0] if event[0] == "done" else type(event[1]).__name__
+        self.metrics.turns.labels(outcome).inc()
+        if job.session_key is None and job.sid is not None:
+            try:
+                self.engine.close_session(job.sid)  # its pages back; clean prefix stays
+            except (KeyError, ValueError):
+                log.exception("closing session %s", job.sid)
+        with self._lock:
+            self.pending -= 1
+        job.post(*event)
