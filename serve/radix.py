@@ -281,6 +281,29 @@ class RadixCache:
             yield n
             stack += n.children.values()
 
+    def _path(self, node: _Node) -> tuple[list[int], list[int]]:
+        """(tokens, pages) from the root through `node`."""
+        toks, pages = [], []
+        while node is not self.root:
+            toks, pages = list(node.key) + toks, node.pages + pages
+            node = node.parent
+        return toks, pages
+
+    def paths(self) -> list[tuple[list[int], list[int]]]:
+        """(tokens, pages) of every root-to-leaf path: inserting them into an empty tree
+        rebuilds what this one holds (a snapshot's copy)."""
+        return [self._path(n) for n in self._nodes() if not n.children]
+
+    def pin_ends(self) -> list[tuple[list[int], int]]:
+        """(tokens of a pinned prefix, how many `pin`s of exactly it are held): pinning each
+        that many times in a rebuilt tree restores every pin count."""
+        out = []
+        for n in self._nodes():
+            own = n.pins - sum(c.pins for c in n.children.values())
+            if own > 0:
+                out.append((self._path(n)[0], own))
+        return out
+
     def pages(self) -> list[int]:
         """Every page the tree holds."""
         return [p for n in self._nodes() for p in n.pages]

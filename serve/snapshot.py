@@ -12,10 +12,19 @@ A snapshot (`checkpoints.sessions`: atomic, crash-safe) holds two arrays and a J
   `clean` (tokens[:clean] hold the KV a fresh prefill gives; KV past it is AMORTIZE-spliced
   and serves its own session only) and `pages` (indices into the saved pages: the session's
   page-table row over tokens[:cached]).
-- `prefixes`: the radix cache's path along each session's tokens (tokens and page indices),
-  so a session's next turn, offloaded or not, finds what it would have found (the cache holds
-  only clean KV, so lineage is kept). Radix entries on no session's path are not saved.
+  A session's `pins` (PIN spans), `lineage` (its own, "session:<id>", or a caller's name) and
+  MOVE flags (`private`, `foreign`) come back as they were.
+- `prefixes`: the radix cache's path along each session's tokens and every pinned path
+  (tokens, page indices, and the lineage that cached each page: MOVE copies only its own
+  lineage's), so a session's next turn, offloaded or not, finds what it would have found (the
+  cache holds only clean KV, so lineage is kept). Other radix entries are not saved.
+- `radix_pins`: each pinned prefix and how many `pin_prefix` calls hold it.
+- `lineage_trees`: each lineage's private tree (the KV its MOVE sessions hold past their clean
+  prefix), whole: every root-to-leaf path.
 - `extra`: the caller's own JSON-able data, returned by `restore`.
+
+Format 1 snapshots (without pins, lineages and trees) are still read: their sessions come back
+with their own lineage and no pins.
 
 A session with a turn in flight (running or queued) is saved as what its KV holds,
 tokens[:cached] (none, if it is offloaded too; the turn itself is not saved: its caller
@@ -25,24 +34,18 @@ nothing cached. Radix paths are taken along the whole token list either way.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 from pathlib import Path
-from typing import Any
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from flax import nnx
-
+from checkpoints.layout import differences, layout
 from checkpoints.sessions import read_snapshot, write_snapshot
 from leyline_jax import allocator, paged
 from leyline_jax.loader import CheckpointError
-from serve.engine import Engine
+from serve import spans
+from serve.engine import OWN_LINEAGE, Engine
 from serve.sampling import is_int
 
-FORMAT = 1  # the meta's layout described above
+FORMAT = 2  # the meta's layout described above (1: without pins, lineages and trees)
 
 
 def save(engine: Engine, root: str | os.PathLike, extra: dict | None = None) -> Path:
@@ -59,26 +62,42 @@ def save(engine: Engine, root: str | os.PathLike, extra: dict | None = None) -> 
     def refs(pages) -> list[int]:
         return [index.setdefault(int(p), len(index)) for p in pages]
 
-    sessions, prefixes = [], []
+    caches = engine.caches
+
+    def path(tokens, pages) -> dict:
+        return {"tokens": list(tokens), "pages": refs(pages)}
+
+    def prefix(tokens) -> dict | None:
+        pages, n = engine.radix.peek(tokens)
+        lineages = [caches.lineage_of.get(p) for p in pages]
+        return {**path(tokens[:n], pages), "lineages": lineages} if n else None
+
+    sessions, prefixes, pins, trees = [], [], [], []
     for s in sorted(engine.sessions.values(), key=lambda s: s.last_used):
-        busy = s.active is not None or bool(s.queue)
         cached = s.cached if s.seq is not None else 0
-        tokens = list(s.tokens[:cached] if busy else s.tokens)
+        tokens = list(s.tokens[:cached] if s.busy else s.tokens)
         row = engine.pool.seq_pages(s.seq) if cached else []
         if cached and st.token_ids[s.seq].tolist() != tokens[:cached]:
             raise RuntimeError(f"session {s.id}: its tokens do not describe its sequence's KV")
         rec = {"id": s.id, "tokens": tokens, "cached": cached, "clean": min(s.clean, cached)}
-        sessions.append({**rec, "pages": refs(row)})
-        if engine.radix is not None:
-            pages, n = engine.radix.peek(s.tokens)  # the whole list: what a later turn finds
-            if n:
-                prefixes.append({"tokens": list(s.tokens[:n]), "pages": refs(pages)})
+        rec |= {"pins": [list(p) for p in s.pins if p[1] <= len(tokens)], "lineage": s.lineage}
+        sessions.append({**rec, "private": s.private, "foreign": s.foreign, "pages": refs(row)})
+        if engine.radix is not None and (p := prefix(s.tokens)):  # what a later turn finds
+            prefixes.append(p)
+    if engine.radix is not None:
+        for tokens, count in engine.radix.pin_ends():
+            prefixes.append(prefix(tokens))  # a pinned path is cached: never None
+            pins.append({"tokens": tokens, "count": count})
+    for lineage, tree in caches.private.items():
+        trees.append({"lineage": lineage, "paths": [path(*p) for p in tree.paths()]})
     moved, rotated = paged.read_pages(st, list(index))  # in index order
     meta = {
         "format": FORMAT,
-        "layout": layout(engine),
+        "layout": layout(engine.model, engine.state.pools),
         "sessions": sessions,
         "prefixes": prefixes,
+        "radix_pins": pins,
+        "lineage_trees": trees,
         "extra": {} if extra is None else extra,
     }
     return write_snapshot(root, {"moved": moved, "rotated": rotated}, meta)
@@ -106,17 +125,17 @@ def restore(engine: Engine, root: str | os.PathLike) -> dict | None:
     if snap is None:
         return None
     arrays, meta = snap
-    if meta.get("format") != FORMAT:
+    if meta.get("format") not in (1, FORMAT):
         raise CheckpointError(
-            f"session snapshot format {meta.get('format')!r}; this reads {FORMAT}"
+            f"session snapshot format {meta.get('format')!r}; this reads 1 and {FORMAT}"
         )
     saved = meta.get("layout")
     if not isinstance(saved, dict):
         raise CheckpointError("the snapshot holds no layout")
-    diffs = differences(saved, layout(engine))
+    diffs = differences(saved, layout(engine.model, engine.state.pools))
     if diffs:
         raise ValueError("the snapshot does not fit this engine: " + "; ".join(diffs))
-    sessions, prefixes, moved, rotated = _parse(engine, meta, arrays)
+    sessions, prefixes, pins, trees, moved, rotated = _parse(engine, meta, arrays)
     st = engine.state
     k, free = moved.shape[1], engine.pool.free_count()
     if k > free:
@@ -137,7 +156,10 @@ def restore(engine: Engine, root: str | os.PathLike) -> dict | None:
         )
     pages = engine.pool.load_pages(moved, rotated)  # each page: one loader reference
     for p in prefixes:  # first: the tree maps each saved path to its saved pages
-        engine.restore_prefix(p["tokens"], pages[p["pages"]].tolist())
+        engine.caches.restore_prefix(p["tokens"], pages[p["pages"]].tolist(), p["lineages"])
+    for t in trees:
+        for p in t["paths"]:
+            engine.caches.restore_tree(t["lineage"], p["tokens"], pages[p["pages"]].tolist())
     for r in sessions:  # least recently used first: the engine's LRU order is kept
         engine.restore_session(
             r["id"],
@@ -145,73 +167,21 @@ def restore(engine: Engine, root: str | os.PathLike) -> dict | None:
             pages=pages[r["pages"]].tolist(),
             cached=r["cached"],
             clean=r["clean"],
+            pins=[tuple(p) for p in r["pins"]],
+            lineage=r["lineage"],
+            private=r["private"],
+            foreign=r["foreign"],
         )
+    for p in pins:
+        for _ in range(p["count"]):
+            engine.radix.pin(p["tokens"])
     engine.pool.release(pages)  # drop the loader's references
     return meta.get("extra") or {}
 
 
-def layout(engine: Engine) -> dict[str, Any]:
-    """What saved KV pages mean for `engine` (JSON-able): two engines may exchange snapshots
-    iff these are equal. `params` is a checksum of the model's params' bits."""
-    cfg, pools = engine.model.config, engine.state.pools
-    bands = cfg.kv_bands()
-    return {
-        "family": cfg.model_type,
-        "config": json.loads(json.dumps(cfg.to_dict())),
-        "params": params_checksum(engine.model),
-        "num_layers": pools.num_layers,
-        "page_size": pools.page_size,
-        "moved_shape": list(bands.moved),
-        "rotated_shape": list(bands.rotated),
-        "moved_dtype": jnp.dtype(pools.moved_dtype).name,
-        "rotated_dtype": jnp.dtype(pools.rotated_dtype).name,
-    }
-
-
-def differences(saved: dict[str, Any], mine: dict[str, Any]) -> list[str]:
-    """What differs between a snapshot's layout and an engine's, one line each (a config's
-    fields one by one)."""
-    out = []
-    for key in sorted(set(saved) | set(mine)):
-        a, b = saved.get(key), mine.get(key)
-        if a == b:
-            continue
-        if key == "config" and isinstance(a, dict) and isinstance(b, dict):
-            fields = sorted(f for f in set(a) | set(b) if a.get(f) != b.get(f))
-            out += [f"config.{f}: snapshot {a.get(f)!r}, engine {b.get(f)!r}" for f in fields]
-        elif key == "params":
-            out.append(f"params: the model's weights differ (checksum {a} vs {b})")
-        else:
-            out.append(f"{key}: snapshot {a!r}, engine {b!r}")
-    return out
-
-
-@jax.jit
-def _bit_sums(leaves):  # list of arrays -> u32[len(leaves)]
-    def one(x):
-        b = jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(-1).astype(jnp.uint32)
-        w = jnp.arange(b.shape[0], dtype=jnp.uint32) % 65521 + 1  # position-weighted
-        return jnp.sum(b * w, dtype=jnp.uint32)  # wraps: integer sums are exact anywhere
-
-    return jnp.stack([one(x) for x in leaves])
-
-
-def params_checksum(model) -> str:
-    """A checksum of every param's name, shape, dtype and bits (position-weighted byte sums on
-    the device, then sha256 on the host): tells another checkpoint or dtype from this one. Not
-    cryptographic; computed in integers, so it does not depend on the backend."""
-    flat = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(model, nnx.Param)))[0]
-    sums = _bit_sums([jnp.asarray(x) for _, x in flat])
-    with jax.transfer_guard_device_to_host("allow"):
-        sums = np.asarray(sums)
-    h = hashlib.sha256()
-    for (path, x), v in zip(flat, sums, strict=True):
-        h.update(f"{jax.tree_util.keystr(path)}|{x.shape}|{jnp.dtype(x.dtype).name}|{v};".encode())
-    return h.hexdigest()[:16]
-
-
-def _parse(engine: Engine, meta: dict, arrays: dict) -> tuple[list, list, np.ndarray, np.ndarray]:
-    """The snapshot's sessions, prefixes and pages, checked (CheckpointError when malformed)."""
+def _parse(engine: Engine, meta: dict, arrays: dict) -> tuple:
+    """The snapshot's sessions, prefixes, radix pins, lineage trees and pages, checked
+    (CheckpointError when malformed); format 1's missing fields take their defaults."""
     moved, rotated = arrays.get("moved"), arrays.get("rotated")
     pools, ps = engine.state.pools, engine.page_size
     for name, a, pool in (("moved", moved, pools.moved[0]), ("rotated", rotated, pools.rotated[0])):
@@ -231,34 +201,84 @@ def _parse(engine: Engine, meta: dict, arrays: dict) -> tuple[list, list, np.nda
     def ints(v, hi: int) -> bool:
         return isinstance(v, list) and all(is_int(x) and 0 <= x < hi for x in v)
 
-    sessions, prefixes = meta.get("sessions"), meta.get("prefixes")
-    if not isinstance(sessions, list) or not isinstance(prefixes, list):
-        raise CheckpointError("the snapshot holds no session list")
-    ids = set()
-    for r in sessions:
-        ok = (
-            isinstance(r, dict)
-            and is_int(r.get("id"))
-            and r["id"] >= 0
-            and r["id"] not in ids
-            and ints(r.get("tokens"), vocab)
+    def path(p) -> bool:
+        return (
+            isinstance(p, dict)
+            and ints(p.get("tokens"), vocab)
+            and ints(p.get("pages"), k)
+            and len(p["tokens"]) == len(p["pages"]) * ps
+        )
+
+    def check(records, ok, what: str) -> list:
+        if not isinstance(records, list):
+            raise CheckpointError(f"the snapshot holds no {what} list")
+        for r in records:
+            if not ok(r):
+                raise CheckpointError(f"a malformed {what} record in the snapshot: {str(r)[:200]}")
+        return records
+
+    def session(r) -> bool:
+        if not isinstance(r, dict) or not is_int(r.get("id")) or r["id"] < 0 or r["id"] in ids:
+            return False
+        ids.add(r["id"])
+        own = f"{OWN_LINEAGE}{r['id']}"
+        r.setdefault("pins", []), r.setdefault("lineage", own)
+        r.setdefault("private", False), r.setdefault("foreign", False)
+        lineage = r["lineage"]
+        return (
+            ints(r.get("tokens"), vocab)
             and is_int(r.get("cached"))
             and is_int(r.get("clean"))
             and 0 <= r["clean"] <= r["cached"] <= len(r["tokens"])
             and ints(r.get("pages"), k)
             and len(r["pages"]) == allocator.pages_for(r["cached"], ps)
             and len(set(r["pages"])) == len(r["pages"])
+            and _spans(r["pins"], len(r["tokens"]))
+            and isinstance(lineage, str)
+            and (lineage == own or not lineage.startswith(OWN_LINEAGE))
+            and isinstance(r["private"], bool)
+            and isinstance(r["foreign"], bool)
         )
-        if not ok:
-            raise CheckpointError(f"a malformed session record in the snapshot: {str(r)[:200]}")
-        ids.add(r["id"])
-    for p in prefixes:
-        ok = (
+
+    def prefix(p) -> bool:
+        if isinstance(p, dict):
+            p.setdefault("lineages", [None] * len(p.get("pages") or []))
+        lineages = p.get("lineages") if isinstance(p, dict) else None
+        return (
+            path(p)
+            and isinstance(lineages, list)
+            and len(lineages) == len(p["pages"])
+            and all(x is None or isinstance(x, str) for x in lineages)
+        )
+
+    def pin(p) -> bool:
+        return (
             isinstance(p, dict)
             and ints(p.get("tokens"), vocab)
-            and ints(p.get("pages"), k)
-            and len(p["tokens"]) == len(p["pages"]) * ps
+            and len(p["tokens"]) % ps == 0
+            and is_int(p.get("count"))
+            and p["count"] >= 1
         )
-        if not ok:
-            raise CheckpointError(f"a malformed prefix record in the snapshot: {str(p)[:200]}")
-    return sessions, prefixes, moved, rotated
+
+    def tree(t) -> bool:
+        return (
+            isinstance(t, dict)
+            and isinstance(t.get("lineage"), str)
+            and isinstance(t.get("paths"), list)
+            and all(path(p) for p in t["paths"])
+        )
+
+    ids: set[int] = set()
+    sessions = check(meta.get("sessions"), session, "session")
+    prefixes = check(meta.get("prefixes"), prefix, "prefix")
+    pins = check(meta.get("radix_pins", []), pin, "radix pin")
+    trees = check(meta.get("lineage_trees", []), tree, "lineage tree")
+    return sessions, prefixes, pins, trees, moved, rotated
+
+
+def _spans(pins, length: int) -> bool:
+    try:
+        spans.check_spans([tuple(p) for p in pins], length, "pinned span")
+    except (TypeError, ValueError):
+        return False
+    return True

@@ -63,12 +63,13 @@ def make_engine(model, kv_dtype=jnp.float32, **kw) -> Engine:
 
 # ---- the checks (each shown to fire in test_the_round_trip_checks_can_fail) --------------------
 def check_refcounts(engine: Engine) -> None:
-    """Every page's refcount = references from open sequences' page tables + the radix tree."""
+    """Every page's refcount = references from open sequences' page tables + the radix tree
+    and the lineages' private trees."""
     st = engine.state
     want = np.zeros(st.num_pages, np.int32)
     for q in np.flatnonzero(st.active):
         np.add.at(want, st.page_table[q, : -(-int(st.lengths[q]) // PS)], 1)
-    np.add.at(want, np.asarray(engine.radix.pages(), np.int64), 1)
+    np.add.at(want, np.asarray(engine.cache_pages(), np.int64), 1)
     np.testing.assert_array_equal(st.refcount, want)
 
 
@@ -248,6 +249,102 @@ RESTORER = textwrap.dedent(
     print(json.dumps({"extra": extra, "turns": out}))
     """
 )
+
+
+def kept_state(engine: Engine) -> dict:
+    """What a restart must keep beside the KV: each session's pins, lineage and MOVE flags,
+    the radix pins, each lineage's private tree (its paths' tokens) and the lineage each
+    cached radix page of those paths came from."""
+    caches = engine.caches
+    pages = [p for tokens, _ in caches.radix.paths() for p in engine.radix.peek(tokens)[0]]
+    return {
+        "sessions": {
+            sid: (s.pins, s.lineage, s.private, s.foreign) for sid, s in engine.sessions.items()
+        },
+        "radix_pins": sorted((tuple(t), n) for t, n in engine.radix.pin_ends()),
+        "trees": {k: sorted(tuple(t) for t, _ in v.paths()) for k, v in caches.private.items()},
+        "lineages": sorted(caches.lineage_of.get(p) or "" for p in pages),
+    }
+
+
+def verbs_scenario(engine: Engine) -> dict:
+    """Sessions of a named lineage that ran MOVE (one closed: its KV lives on in the
+    lineage's tree), pins on two sessions, a pinned radix prefix."""
+    g = SamplingParams
+    x = rand(40, 30)
+    a = engine.open_session(lineage="t")
+    engine.submit(a, SYSTEM + x, sampling=g(2)).result()
+    engine.submit(a, [4] + x[3:27] + [5], sampling=g(2), move=True).result()  # moved
+    history = list(engine.sessions[a].tokens)
+    engine.close_session(a)
+    b = engine.open_session(lineage="t")
+    engine.submit(b, SYSTEM + rand(12, 31), sampling=g(2), move=True).result()
+    engine.pin(b, 2, 9)
+    c = engine.open_session()
+    engine.submit(c, SYSTEM + rand(30, 32), sampling=g(2)).result()
+    engine.pin(c, 21, 40)
+    assert engine.pin_prefix(SYSTEM + x) == 56
+    return {"x": x, "b": b, "c": c, "history": history}
+
+
+def verbs_next_turns(engine: Engine, ids: dict) -> list:
+    """Turns whose outcome depends on what the restart kept: a new session of lineage "t"
+    re-sending the closed session's history (its private tree), one moving X's pages from the
+    radix cache, a turn cutting into a pin, and a pool squeeze the radix pin survives."""
+    g, x = SamplingParams, ids["x"]
+    out = []
+    d = engine.open_session(lineage="t")
+    r = engine.submit(d, ids["history"] + [9], sampling=g(3))
+    out.append((r.result(), stats(r)))
+    e = engine.open_session(lineage="t")
+    r = engine.submit(e, rand(5, 33) + x[11:35] + [7, 7], sampling=g(3), move=True)
+    out.append((r.result(), stats(r), r.stats.moved_tokens))
+    r = engine.submit(ids["c"], [1], directives=[ll.Directive(20, 30, [2])], sampling=g(1))
+    engine.run_until_idle()
+    out.append(type(r.error).__name__)
+    out.append(sorted(engine.radix.pinned_pages()) != [])
+    return out
+
+
+def test_round_trip_keeps_pins_lineages_and_trees(model, tmp_path):
+    """Pins (a session's spans and the radix cache's pinned prefixes), named lineages, MOVE's
+    private trees and the lineage of cached pages come back as they were: the next turns
+    (a lineage-tree hit, a MOVE from the radix cache, a turn refused by a pin) equal those of
+    the engine that never restarted. A restore that drops them (format 1's meta) is seen to
+    differ: the check can fail."""
+    e1 = make_engine(model, move=True)
+    ids = verbs_scenario(e1)
+    snapshot.save(e1, tmp_path / "full")
+    e2 = make_engine(model, move=True)
+    snapshot.restore(e2, tmp_path / "full")
+    assert kept_state(e2) == kept_state(e1)
+    assert e2.caches.private["t"].paths() and e2.radix.pin_ends()
+    check_refcounts(e2)
+    clean = e1.radix.peek(ids["history"])[1]
+    want = verbs_next_turns(e1, ids)
+    assert want[0][1][1] > clean  # the lineage tree's KV reused, past the radix cache's
+    assert want[1][2] > 0 and want[2] == "DirectiveError"
+    assert verbs_next_turns(e2, ids) == want
+    check_refcounts(e1)
+    check_refcounts(e2)
+
+    def as_format_1(arrays, meta):
+        meta["format"] = 1
+        for key in ("radix_pins", "lineage_trees"):
+            del meta[key]
+        for r in meta["sessions"]:
+            for key in ("pins", "lineage", "private", "foreign"):
+                del r[key]
+        for p in meta["prefixes"]:
+            del p["lineages"]
+
+    tamper(tmp_path / "full", tmp_path / "old", as_format_1)
+    e3 = make_engine(model, move=True)
+    snapshot.restore(e3, tmp_path / "old")
+    assert kept_state(e3) != kept_state(e1)
+    e4 = make_engine(model, move=True)
+    snapshot.restore(e4, tmp_path / "full")
+    assert verbs_next_turns(e3, ids) != verbs_next_turns(e4, ids)
 
 
 def test_restore_in_a_new_process(model, ckpts, tmp_path):

@@ -138,19 +138,22 @@ class Engine:
         return len(pages) * self.page_size
 
     def restore_session(
-        self, session: int, tokens: Sequence[int], *, pages=(), cached: int = 0, clean: int = 0
-    ) -> None:
+        self, session: int, tokens: Sequence[int], *, pages=(), cached: int = 0, clean: int = 0,
+        pins=(), lineage: str | None = None, private: bool = False, foreign: bool = False,
+    ) -> None:  # fmt: skip
         """Recreate session `session` as a snapshot saved it (`serve.snapshot.restore`): its
         token list and, with `pages`, a free sequence slot holding tokens[:cached] in those
         pages (whose KV the caller already wrote, e.g. `Pool.load_pages`; the last may be
         partly filled; the sequence takes one reference to each). tokens[:clean] is clean (a
         fresh prefill's KV) and enters the radix cache as a finished turn's does; KV past it
         (AMORTIZE-spliced) serves this session only. The session is idle and most recently
-        used; later `open_session` ids are above `session`. Raises ValueError, before anything
+        used; later `open_session` ids are above `session`. It comes back with its `pins`,
+        `lineage` (None: its own) and MOVE flags (`private`: it ran MOVE; `foreign`: its KV
+        holds KV moved from another session's pages). Raises ValueError, before anything
         changes, for an id in use, lengths that disagree (0 <= clean <= cached <= len(tokens),
-        pages covering tokens[:cached] exactly, nothing cached without pages), or no free
-        sequence slot."""
-        self.table.restore(session, tokens, pages, cached, clean)
+        pages covering tokens[:cached] exactly, nothing cached without pages), pins outside
+        the tokens, another session's own lineage, or no free sequence slot."""
+        self.table.restore(session, tokens, pages, cached, clean, pins, lineage, private, foreign)
 
     def restore_prefix(self, tokens: Sequence[int], pages: Sequence[int]) -> int:
         """Offer the radix cache `tokens` (len(pages) whole pages) whose KV, as a fresh prefill

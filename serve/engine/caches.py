@@ -64,13 +64,23 @@ class PrefixCaches:
             tree = self.private.setdefault(s.lineage, RadixCache(self.page_size))
             self._insert(tree, s, s.cached)
 
-    def restore_prefix(self, tokens: list[int], pages: list[int]) -> int:
-        """Take `tokens` held in `pages` (whole pages of clean KV) into the radix cache."""
+    def restore_prefix(self, tokens: list[int], pages: list[int], lineages=None) -> int:
+        """Take `tokens` held in `pages` (whole pages of clean KV) into the radix cache;
+        `lineages[i]`: the lineage that cached pages[i] (None: none). How many pages it took."""
         if self.radix is None:
             return 0
         taken = self.radix.insert(tokens, pages)
         self.pool.retain(taken)
+        for p, lineage in zip(pages, lineages or [None] * len(pages), strict=True):
+            if lineage is not None and p in taken:
+                self.lineage_of[p] = lineage
         return len(taken)
+
+    def restore_tree(self, lineage: str, tokens: list[int], pages: list[int]) -> None:
+        """Take a path of `lineage`'s private tree back (a snapshot's)."""
+        if self.radix is not None:
+            tree = self.private.setdefault(lineage, RadixCache(self.page_size))
+            self.pool.retain(tree.insert(tokens, pages))
 
     # ---- what a turn finds -----------------------------------------------------------------------
     def match(self, s: Session, prompt: list[int]) -> tuple[list[int], int, int]:

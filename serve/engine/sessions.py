@@ -121,8 +121,9 @@ class SessionTable:
 
     # ---- snapshots ---------------------------------------------------------------------------
     def restore(
-        self, session: int, tokens: Sequence[int], pages: Sequence[int], cached: int, clean: int
-    ) -> Session:
+        self, session: int, tokens: Sequence[int], pages: Sequence[int], cached: int, clean: int,
+        pins=(), lineage: str | None = None, private: bool = False, foreign: bool = False,
+    ) -> Session:  # fmt: skip
         """Recreate a saved session (see `Engine.restore_session`, which documents it)."""
         if not is_int(session) or session < 0:
             raise ValueError(f"session id {session!r} must be a non-negative integer")
@@ -135,7 +136,12 @@ class SessionTable:
         if len(pages) != pages_for(cached, ps):
             raise ValueError(f"{len(pages)} pages for {cached} cached tokens of {ps}")
         own = f"{OWN_LINEAGE}{int(session)}"
-        s = Session(int(session), toks, last_used=time.perf_counter(), lineage=own)
+        lineage = own if lineage is None else lineage
+        if not isinstance(lineage, str) or (lineage != own and lineage.startswith(OWN_LINEAGE)):
+            raise ValueError(f"lineage {lineage!r} is not session {session}'s own nor a name")
+        pins = spans.check_spans(pins, len(toks), "pinned span")
+        s = Session(int(session), toks, last_used=time.perf_counter(), lineage=lineage)
+        s.pins, s.private, s.foreign = pins, bool(private), bool(foreign)
         if cached:
             free = self.free_slots()
             if not free:
