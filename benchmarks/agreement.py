@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import leyline_jax as ll
+from benchmarks.fidelity import follows
 from checkpoints.tiny import TINY_HF_CONFIGS, write_random_checkpoint
 
 PROMPT, STUB = 160, (3, 4, 5, 6)
@@ -64,14 +65,8 @@ def run(model, scenarios: int, max_attempts: int) -> dict:
         if full == forget:
             continue
         kept += 1
-        key = (
-            "agree_full"
-            if amortize == full
-            else "agree_forget"
-            if amortize == forget
-            else "neither"
-        )
-        counts[key] += 1
+        key = follows(amortize, full, forget)
+        counts[key if key == "neither" else f"agree_{key}"] += 1
     return {
         "scenarios": kept,
         "attempts": attempts,

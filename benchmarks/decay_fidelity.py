@@ -50,8 +50,20 @@ import jax.numpy as jnp
 import numpy as np
 
 import leyline_jax as ll
-from benchmarks.fidelity import RECALL_TOKENS, Chat, kl, scenario, wilson
-from leyline_jax import gguf, paged
+from benchmarks import harness
+from benchmarks.fidelity import (
+    RECALL_TOKENS,
+    Chat,
+    follows,
+    greedy,
+    kl,
+    load,
+    pct_ci,
+    save,
+    scenario,
+    spread,
+    wilson,
+)
 
 FRACTIONS = (0.05, 0.10, 0.25)
 ARMS = ("full", "forget", "amortize", *(f"decay@{f:.0%}" for f in FRACTIONS))
@@ -99,19 +111,12 @@ def run_scenario(model, state, sc, decode: int):
         state = ll.fork(state, 0, seq)
     edits = {}
     for seq, arm in enumerate(EDITED, start=1):
-        t = time.perf_counter()
-        state, applied = ll.apply_directives(
-            model, state, seq, directives(arm, spans, stub), report=True
+        edit = directives(arm, spans, stub)
+        (state, applied), dt = harness.clocked(
+            lambda s=state, n=seq, e=edit: ll.apply_directives(model, s, n, e, report=True)
         )
-        jax.block_until_ready(state.pools)
-        edits[arm] = (time.perf_counter() - t, applied)
-    state, logits = paged.extend(model, state, seqs, [q] * len(seqs))
-    logits = np.asarray(logits)
-    outs = [[int(t)] for t in logits.argmax(-1)]
-    for _ in range(decode - 1):
-        state, lg = ll.decode(model, state, seqs, [o[-1] for o in outs])
-        for o, t in zip(outs, np.asarray(lg).argmax(-1), strict=True):
-            o.append(int(t))
+        edits[arm] = (dt, applied)
+    state, logits, outs = greedy(model, state, seqs, [q] * len(seqs), decode)
     for seq in seqs:
         state = ll.free(state, seq)
     return state, logits, outs, edits
@@ -130,12 +135,92 @@ def ratio_interval(hits: np.ndarray, base: np.ndarray, seed: int = 0) -> tuple[f
 
 
 def _stats(v) -> dict:
-    return {
-        "n": len(v),
-        "median": float(np.median(v)),
-        "mean": float(np.mean(v)),
-        "p90": float(np.percentile(v, 90)),
-    }
+    return {"n": len(v), **spread(v)}
+
+
+class Counts:
+    """What (a)-(d) count, scenario by scenario."""
+
+    def __init__(self):
+        self.agree = {arm: {"full": 0, "forget": 0, "neither": 0} for arm in EDITED[1:]}
+        self.hits = {a: [] for a in ARMS}  # per recall question: the value in the answer?
+        self.kls, self.seconds = {a: [] for a in EDITED}, {a: [] for a in EDITED}
+        self.held, self.span_kept = {a: [] for a in ARMS}, {a: [] for a in ARMS}
+        self.span_total: list[int] = []
+        self.kept = self.attempts = 0
+
+    def add(self, sc, logits, outs, edits, agreement: bool, recall: bool, chat: Chat) -> None:
+        """One scenario's arms (`run_scenario`). `agreement`: it counts for (a) if full and
+        FORGET disagree; `recall`: it counts for (b)."""
+        ids, spans, answer = sc[0], sc[1], sc[4]
+        self.attempts += 1
+        evicted = sum(e - s for s, e in spans)
+        self.span_total.append(evicted)
+        self.held["full"].append(len(ids))
+        self.span_kept["full"].append(evicted)
+        for j, arm in enumerate(EDITED, start=1):
+            self.kls[arm].append(kl(logits[0], logits[j]))
+            dt, applied = edits[arm]
+            self.seconds[arm].append(dt)
+            self.held[arm].append(applied.length)
+            self.span_kept[arm].append(len(applied.kept))
+        first = [o[0] for o in outs]
+        if first[0] != first[1] and agreement:
+            self.kept += 1
+            for j, arm in enumerate(EDITED[1:], start=2):
+                self.agree[arm][follows(first[j], first[0], first[1])] += 1
+        if recall:
+            for arm, o in zip(ARMS, outs, strict=True):
+                text = chat.tok.decode(o[:RECALL_TOKENS])
+                self.hits[arm].append(answer.lower() in text.lower())
+
+    def result(self, path: str, stopped: bool, seconds: float, warmup: float) -> dict:
+        kept, n_recall = self.kept, len(self.hits["full"])
+        base = np.asarray(self.hits["full"], np.float64)
+        return {
+            "model": path,
+            "attempts": self.attempts,
+            "stopped_early": stopped,
+            "seconds": round(seconds, 1),
+            "warmup_seconds": round(warmup, 1),
+            "fractions": list(FRACTIONS),
+            "agreement": {
+                "scenarios": kept,
+                **{
+                    arm: {
+                        **c,
+                        **{f"rate_{k}": v / max(kept, 1) for k, v in c.items()},
+                        **{f"ci_{k}": wilson(v, kept) for k, v in c.items()},
+                    }
+                    for arm, c in self.agree.items()
+                },
+            },
+            "recall": {
+                "questions": n_recall,
+                **{
+                    arm: {
+                        "hits": int(sum(h)),
+                        "rate": sum(h) / max(n_recall, 1),
+                        "ci": wilson(int(sum(h)), n_recall),
+                        "of_full": sum(h) / max(base.sum(), 1),
+                        "of_full_ci": ratio_interval(np.asarray(h, np.float64), base),
+                    }
+                    for arm, h in self.hits.items()
+                },
+            },
+            "kl_from_full": {arm: _stats(v) for arm, v in self.kls.items()},
+            "kv": {
+                "evicted_span_tokens_mean": float(np.mean(self.span_total)),
+                **{
+                    arm: {
+                        "context_tokens_mean": float(np.mean(self.held[arm])),
+                        "span_tokens_kept_mean": float(np.mean(self.span_kept[arm])),
+                    }
+                    for arm in ARMS
+                },
+            },
+            "apply_seconds": {arm: _stats(v) for arm, v in self.seconds.items()},
+        }
 
 
 def main(argv=None) -> dict:
@@ -146,128 +231,60 @@ def main(argv=None) -> dict:
     ap.add_argument("--model", default=None, help="a .gguf file (default: SmolLM2-135M)")
     ap.add_argument("--out", default=None, help="write OUT.json and OUT.md")
     args = ap.parse_args(argv)
-    path = args.model or str(gguf.smollm2_path())
-    model = ll.load_model(path)
-    chat = Chat(gguf.gguf_tokenizer(path))
+    path, model, chat = load(args.model)
     state = ll.init_state(
         model.config, num_pages=512, page_size=16, max_seqs=len(ARMS), kv_dtype=jnp.float32
     )
     t0 = time.perf_counter()
     state, *_ = run_scenario(model, state, scenario(0, chat), RECALL_TOKENS)  # warm-up
     warmup = time.perf_counter() - t0
-    agree = {arm: {"full": 0, "forget": 0, "neither": 0} for arm in EDITED[1:]}
-    hits = {a: [] for a in ARMS}
-    kls = {a: [] for a in EDITED}
-    seconds = {a: [] for a in EDITED}
-    held = {a: [] for a in ARMS}
-    span_kept = {a: [] for a in ARMS}
-    span_total = []
-    kept = attempts = 0
-    stop = Stop()
+    n, stop = Counts(), Stop()
     t0 = time.perf_counter()
     while (
         not stop.requested
-        and attempts < args.max_attempts
-        and (kept < args.scenarios or len(hits["full"]) < args.recall)
+        and n.attempts < args.max_attempts
+        and (n.kept < args.scenarios or len(n.hits["full"]) < args.recall)
     ):
-        sc = scenario(attempts, chat)
-        ids, spans, answer, was_evicted = sc[0], sc[1], sc[4], sc[5]
-        want_recall = was_evicted and len(hits["full"]) < args.recall
-        state, logits, outs, edits = run_scenario(
-            model, state, sc, RECALL_TOKENS if want_recall else 1
-        )
-        attempts += 1
-        evicted = sum(e - s for s, e in spans)
-        span_total.append(evicted)
-        held["full"].append(len(ids))
-        span_kept["full"].append(evicted)
-        for j, arm in enumerate(EDITED, start=1):
-            kls[arm].append(kl(logits[0], logits[j]))
-            dt, applied = edits[arm]
-            seconds[arm].append(dt)
-            held[arm].append(applied.length)
-            span_kept[arm].append(len(applied.kept))
-        first = [o[0] for o in outs]
-        full, forget = first[0], first[1]
-        if full != forget and kept < args.scenarios:
-            kept += 1
-            for j, arm in enumerate(EDITED[1:], start=2):
-                key = "full" if first[j] == full else "forget" if first[j] == forget else "neither"
-                agree[arm][key] += 1
-        if want_recall:
-            for arm, o in zip(ARMS, outs, strict=True):
-                text = chat.tok.decode(o[:RECALL_TOKENS])
-                hits[arm].append(answer.lower() in text.lower())
-        if attempts % 20 == 0:
+        sc = scenario(n.attempts, chat)
+        want_recall = sc[5] and len(n.hits["full"]) < args.recall
+        state, *measured = run_scenario(model, state, sc, RECALL_TOKENS if want_recall else 1)
+        n.add(sc, *measured, n.kept < args.scenarios, want_recall, chat)
+        if n.attempts % 20 == 0:
             print(
-                f"{attempts} tried, {kept} disagreeing, {len(hits['full'])} recall, "
+                f"{n.attempts} tried, {n.kept} disagreeing, {len(n.hits['full'])} recall, "
                 f"{time.perf_counter() - t0:.0f} s",
                 flush=True,
             )
-    n_recall = len(hits["full"])
-    base = np.asarray(hits["full"], np.float64)
-    res = {
-        "model": path,
-        "attempts": attempts,
-        "stopped_early": stop.requested,
-        "seconds": round(time.perf_counter() - t0, 1),
-        "warmup_seconds": round(warmup, 1),
-        "fractions": list(FRACTIONS),
-        "agreement": {
-            "scenarios": kept,
-            **{
-                arm: {
-                    **c,
-                    **{f"rate_{k}": v / max(kept, 1) for k, v in c.items()},
-                    **{f"ci_{k}": wilson(v, kept) for k, v in c.items()},
-                }
-                for arm, c in agree.items()
-            },
-        },
-        "recall": {
-            "questions": n_recall,
-            **{
-                arm: {
-                    "hits": int(sum(h)),
-                    "rate": sum(h) / max(n_recall, 1),
-                    "ci": wilson(int(sum(h)), n_recall),
-                    "of_full": sum(h) / max(base.sum(), 1),
-                    "of_full_ci": ratio_interval(np.asarray(h, np.float64), base),
-                }
-                for arm, h in hits.items()
-            },
-        },
-        "kl_from_full": {arm: _stats(v) for arm, v in kls.items()},
-        "kv": {
-            "evicted_span_tokens_mean": float(np.mean(span_total)),
-            **{
-                arm: {
-                    "context_tokens_mean": float(np.mean(held[arm])),
-                    "span_tokens_kept_mean": float(np.mean(span_kept[arm])),
-                }
-                for arm in ARMS
-            },
-        },
-        "apply_seconds": {arm: _stats(v) for arm, v in seconds.items()},
-    }
+    res = n.result(path, stop.requested, time.perf_counter() - t0, warmup)
     print(json.dumps(res, indent=2))
-    if args.out:
-        with open(f"{args.out}.json", "w") as f:
-            json.dump(res, f, indent=2)
-        with open(f"{args.out}.md", "w") as f:
-            f.write(markdown(res))
+    save(args.out, res, markdown)
     return res
 
 
 def markdown(r: dict) -> str:
     a, rc, k, kv, sec = r["agreement"], r["recall"], r["kl_from_full"], r["kv"], r["apply_seconds"]
 
-    def pct(x, ci):
-        return f"{x:.0%} [{ci[0]:.0%}, {ci[1]:.0%}]"
-
     def count(c, key):
-        return f"{pct(c[f'rate_{key}'], c[f'ci_{key}'])} ({c[key]})"
+        return f"{pct_ci(c[f'rate_{key}'], c[f'ci_{key}'])} ({c[key]})"
 
+    def held(arm):
+        v = kv[arm]
+        cells = [arm, f"{v['context_tokens_mean']:.1f}", f"{v['span_tokens_kept_mean']:.1f}"]
+        if arm not in sec:
+            return [*cells, "—", "—"]
+        return [*cells, *(f"{sec[arm][q] * 1e3:.0f} ms" for q in ("median", "p90"))]
+
+    agree = [
+        [arm, *(count(c, x) for x in ("full", "forget", "neither"))]
+        for arm, c in a.items()
+        if arm != "scenarios"
+    ]
+    recall = [
+        [arm, f"{pct_ci(v['rate'], v['ci'])} ({v['hits']})", pct_ci(v["of_full"], v["of_full_ci"])]
+        for arm, v in rc.items()
+        if arm != "questions"
+    ]
+    kls = [[arm, *(f"{v[q]:.3f}" for q in ("median", "mean", "p90"))] for arm, v in k.items()]
     lines = [
         f"Model `{r['model'].split('/')[-1]}`, {r['attempts']} scenarios tried, {r['seconds']} s "
         f"(plus a {r['warmup_seconds']} s warm-up scenario)"
@@ -275,50 +292,24 @@ def markdown(r: dict) -> str:
         "",
         f"(a) first token where full and FORGET disagree ({a['scenarios']} scenarios):",
         "",
-        "| arm | = full | = FORGET | neither |",
-        "|---|---:|---:|---:|",
-        *(
-            f"| {arm} | {count(c, 'full')} | {count(c, 'forget')} | {count(c, 'neither')} |"
-            for arm, c in a.items()
-            if arm != "scenarios"
-        ),
+        *harness.table(["arm", "= full", "= FORGET", "neither"], agree),
         "",
         f"(b) evicted-fact recall ({rc['questions']} questions; answer in {RECALL_TOKENS} greedy "
         "tokens); of full = the arm's hits over full's (paired bootstrap 95%):",
         "",
-        "| arm | recall | of full |",
-        "|---|---:|---:|",
-        *(
-            f"| {arm} | {pct(v['rate'], v['ci'])} ({v['hits']}) "
-            f"| {v['of_full']:.0%} [{v['of_full_ci'][0]:.0%}, {v['of_full_ci'][1]:.0%}] |"
-            for arm, v in rc.items()
-            if arm != "questions"
-        ),
+        *harness.table(["arm", "recall", "of full"], recall),
         "",
         f"(c) KL(full || arm) of the next-token distribution, nats ({r['attempts']} scenarios):",
         "",
-        "| arm | median | mean | p90 |",
-        "|---|---:|---:|---:|",
-        *(
-            f"| {arm} | {v['median']:.3f} | {v['mean']:.3f} | {v['p90']:.3f} |"
-            for arm, v in k.items()
-        ),
+        *harness.table(["arm", "median", "mean", "p90"], kls),
         "",
         "(d) KV held and the edit's cost (means of tokens; evicted spans hold "
         f"{kv['evicted_span_tokens_mean']:.1f} tokens on average; apply_directives wall time, "
         "after a warm-up scenario):",
         "",
-        "| arm | context tokens | evicted-span tokens kept | apply median | apply p90 |",
-        "|---|---:|---:|---:|---:|",
-        *(
-            f"| {arm} | {kv[arm]['context_tokens_mean']:.1f} "
-            f"| {kv[arm]['span_tokens_kept_mean']:.1f} "
-            + (
-                f"| {sec[arm]['median'] * 1e3:.0f} ms | {sec[arm]['p90'] * 1e3:.0f} ms |"
-                if arm in sec
-                else "| — | — |"
-            )
-            for arm in ARMS
+        *harness.table(
+            ["arm", "context tokens", "evicted-span tokens kept", "apply median", "apply p90"],
+            [held(arm) for arm in ARMS],
         ),
         "",
     ]

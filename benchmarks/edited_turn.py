@@ -27,26 +27,19 @@ import argparse
 import json
 import statistics
 import tempfile
-import time
 
 import jax
 import numpy as np
 
 import leyline_jax as ll
-from benchmarks.common import BENCH_HF_CONFIG
+from benchmarks import harness
 from checkpoints.tiny import write_random_checkpoint
 from leyline_jax import paged
 from serve.engine import Engine, SamplingParams
 
 CONTEXT, START, END, NEW = 4096, 1000, 1500, 20
-CONFIG = dict(BENCH_HF_CONFIG, hidden_size=256, intermediate_size=1024, vocab_size=32000)
+CONFIG = dict(harness.BENCH_HF_CONFIG, hidden_size=256, intermediate_size=1024, vocab_size=32000)
 ENGINE = dict(num_pages=1024, page_size=16, max_seqs=4, max_seq_len=8192)
-
-
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    return time.perf_counter() - t0
 
 
 def main(argv=None) -> dict:
@@ -59,6 +52,7 @@ def main(argv=None) -> dict:
     context = rng.integers(0, CONFIG["vocab_size"], CONTEXT).tolist()
     new = rng.integers(0, CONFIG["vocab_size"], NEW).tolist()
     one = SamplingParams(max_new_tokens=1)
+    edit = ll.Directive(START, END, new)
 
     def edited(history):
         return history[:START] + new + history[END:]
@@ -74,7 +68,7 @@ def main(argv=None) -> dict:
             s = engine.open_session()
             engine.submit(s, context, sampling=one).result()
             prompt = edited(engine.sessions[s].tokens)
-            t = _timed(
+            t = harness.timed(
                 lambda e=engine, s=s, p=prompt, m=mode: e.submit_prompt(
                     s, p, mode=m, sampling=one
                 ).result()
@@ -84,23 +78,17 @@ def main(argv=None) -> dict:
                 times[arm].append(t)
         s = cold.open_session()
         prompt = edited(context + [0])
-        t = _timed(lambda s=s, p=prompt: cold.submit(s, p, sampling=one).result())
+        t = harness.timed(lambda s=s, p=prompt: cold.submit(s, p, sampling=one).result())
         cold.close_session(s)
         s = cold.open_session()
-        tp = _timed(lambda s=s, p=prompt[:START]: cold.submit(s, p, sampling=one).result())
+        tp = harness.timed(lambda s=s, p=prompt[:START]: cold.submit(s, p, sampling=one).result())
         cold.close_session(s)
         # the splice and one decode step alone, on a paged state
         state = ll.init_state(model.config, num_pages=600, page_size=16, max_seqs=1)
         state, _ = ll.prefill(model, state, 0, context + [0])
         jax.block_until_ready(state.pools)
-        t0 = time.perf_counter()
-        state = ll.apply_directive(model, state, 0, ll.Directive(START, END, new))
-        jax.block_until_ready(state.pools)
-        ts = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        state, logits = paged.decode(model, state, [0], [1])
-        jax.block_until_ready(logits)
-        td = time.perf_counter() - t0
+        state, ts = harness.clocked(lambda s=state: ll.apply_directive(model, s, 0, edit))
+        td = harness.timed(lambda s=state: paged.decode(model, s, [0], [1]))
         if i:
             times["cold"].append(t)
             times["cold_prefix"].append(tp)

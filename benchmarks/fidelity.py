@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import leyline_jax as ll
+from benchmarks.harness import table
 from leyline_jax import gguf, paged
 
 NAMES = [
@@ -147,16 +148,17 @@ def scenario(i: int, chat: Chat):
     k = evicted
     stub = chat.encode(f"[evicted: {k} older tool output{'s' if k > 1 else ''}]")
     tool, record, was_evicted = records[int(rng.integers(0, evicted))]  # an evicted record
-    fields = list(record)
-    key_field, field = fields[0], str(rng.choice(fields[1:]))
-    words = field.replace("_", " ")
-    question = (
-        f"From the {tool} result for {record[key_field]}, what is the {words}? "
-        "Answer with the value only."
-    )
-    # the answer is begun for the model, so that its first token is the value's first token
-    q = chat.message("user", question)[0] + chat.prompt() + chat.encode(f"The {words} is")
+    field = str(rng.choice(list(record)[1:]))
+    q = question(chat, tool, record, field)
     return ids, spans[:evicted], stub, q, record[field], was_evicted
+
+
+def question(chat: Chat, tool: str, record: dict, field: str) -> list[int]:
+    """The question about one field of a record, with the answer begun (`The <field> is`) so
+    that the model's first token is the value's first token."""
+    key, words = record[next(iter(record))], field.replace("_", " ")
+    text = f"From the {tool} result for {key}, what is the {words}? Answer with the value only."
+    return chat.message("user", text)[0] + chat.prompt() + chat.encode(f"The {words} is")
 
 
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -182,6 +184,52 @@ def kl(p_logits: np.ndarray, q_logits: np.ndarray) -> float:
     return float(np.sum(np.exp(lp) * (lp - lq)))
 
 
+def follows(token: int, full: int, forget: int) -> str:
+    """Whom an edited arm's first token follows where full and FORGET disagree: "full",
+    "forget" or "neither"."""
+    return "full" if token == full else "forget" if token == forget else "neither"
+
+
+def spread(v) -> dict:
+    return {
+        "median": float(np.median(v)),
+        "mean": float(np.mean(v)),
+        "p90": float(np.percentile(v, 90)),
+    }
+
+
+def pct_ci(x: float, ci) -> str:
+    return f"{x:.0%} [{ci[0]:.0%}, {ci[1]:.0%}]"
+
+
+def greedy(model, state, seqs: list[int], prompts, tokens: int):
+    """`prompts` fed to `seqs` in one ragged step, then greedy decoding: (state, the step's
+    logits [len(seqs), V] as numpy, per sequence its first `tokens` greedy tokens)."""
+    state, logits = paged.extend(model, state, seqs, prompts)
+    logits = np.asarray(logits)
+    outs = [[int(t)] for t in logits.argmax(-1)]
+    for _ in range(tokens - 1):
+        state, lg = ll.decode(model, state, seqs, [o[-1] for o in outs])
+        for o, t in zip(outs, np.asarray(lg).argmax(-1), strict=True):
+            o.append(int(t))
+    return state, logits, outs
+
+
+def load(path: str | None) -> tuple[str, object, Chat]:
+    """(path, model, its `Chat`) of a .gguf file (default: SmolLM2-135M-Instruct's)."""
+    path = path or str(gguf.smollm2_path())
+    return path, ll.load_model(path), Chat(gguf.gguf_tokenizer(path))
+
+
+def save(out: str | None, result: dict, markdown) -> None:
+    """OUT.json and OUT.md (`markdown(result)`) when `out` is given: the studies' files."""
+    if out:
+        with open(f"{out}.json", "w") as f:
+            json.dump(result, f, indent=2)
+        with open(f"{out}.md", "w") as f:
+            f.write(markdown(result))
+
+
 ARMS = ("full", "forget", "amortize")
 RECALL_TOKENS = 8  # the answer's tokens read for (b): values take 2 to 6
 
@@ -196,40 +244,23 @@ def run_scenario(model, state, sc, decode: int):
         state = ll.apply_directives(
             model, state, seq, [ll.Directive(s, e, stub, mode) for s, e in spans]
         )
-    state, logits = paged.extend(model, state, [0, 1, 2], [q, q, q])
-    logits = np.asarray(logits)
-    outs = [[int(t)] for t in logits.argmax(-1)]
-    for _ in range(decode - 1):
-        state, lg = ll.decode(model, state, [0, 1, 2], [o[-1] for o in outs])
-        for o, t in zip(outs, np.asarray(lg).argmax(-1), strict=True):
-            o.append(int(t))
+    state, logits, outs = greedy(model, state, [0, 1, 2], [q, q, q], decode)
     for seq in (0, 1, 2):
         state = ll.free(state, seq)
     return state, logits, outs
 
 
-def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--scenarios", type=int, default=200, help="disagreeing scenarios wanted")
-    ap.add_argument("--max-attempts", type=int, default=1200)
-    ap.add_argument("--recall", type=int, default=100, help="evicted-fact questions answered")
-    ap.add_argument("--continuations", type=int, default=40, help="32-token continuations")
-    ap.add_argument("--model", default=None, help="a .gguf file (default: SmolLM2-135M)")
-    ap.add_argument("--out", default=None, help="write OUT.json and OUT.md")
-    args = ap.parse_args(argv)
-    path = args.model or str(gguf.smollm2_path())
-    model = ll.load_model(path)
-    chat = Chat(gguf.gguf_tokenizer(path))
+def study(args, model, chat: Chat) -> dict:
+    """Scenarios until the command line's counts are reached: what (a)-(d) count."""
     state = ll.init_state(
         model.config, num_pages=256, page_size=16, max_seqs=3, kv_dtype=jnp.float32
     )
     agree = {"agree_full": 0, "agree_forget": 0, "neither": 0}
     recall = {a: 0 for a in ARMS}
-    recall_n = 0
     kls = {"forget": [], "amortize": []}
     cont = {"forget": [], "amortize": []}
     cont_equal = {"forget": 0, "amortize": 0}
-    kept = attempts = 0
+    kept = attempts = recall_n = 0
     t0 = time.perf_counter()
     while attempts < args.max_attempts and (
         kept < args.scenarios or recall_n < args.recall or attempts < args.continuations
@@ -246,14 +277,8 @@ def main(argv=None) -> dict:
         full, forget, amortize = (o[0] for o in outs)
         if full != forget and kept < args.scenarios:
             kept += 1
-            key = (
-                "agree_full"
-                if amortize == full
-                else "agree_forget"
-                if amortize == forget
-                else "neither"
-            )
-            agree[key] += 1
+            key = follows(amortize, full, forget)
+            agree[key if key == "neither" else f"agree_{key}"] += 1
         if want_recall:
             recall_n += 1
             for arm, o in zip(ARMS, outs, strict=True):
@@ -270,10 +295,19 @@ def main(argv=None) -> dict:
                 f"{time.perf_counter() - t0:.0f} s",
                 flush=True,
             )
-    res = {
+    return dict(
+        agree=agree, recall=recall, recall_n=recall_n, kls=kls, cont=cont, cont_equal=cont_equal,
+        kept=kept, attempts=attempts, seconds=time.perf_counter() - t0,
+    )  # fmt: skip
+
+
+def results(path: str, c: dict) -> dict:
+    """The JSON of a study (`study`'s counts)."""
+    kept, agree, recall, recall_n = c["kept"], c["agree"], c["recall"], c["recall_n"]
+    return {
         "model": path,
-        "attempts": attempts,
-        "seconds": round(time.perf_counter() - t0, 1),
+        "attempts": c["attempts"],
+        "seconds": round(c["seconds"], 1),
         "agreement": {
             "scenarios": kept,
             **agree,
@@ -285,72 +319,72 @@ def main(argv=None) -> dict:
             **{f"rate_{a}": recall[a] / max(recall_n, 1) for a in ARMS},
             **{f"ci_{a}": wilson(recall[a], recall_n) for a in ARMS},
         },
-        "kl_from_full": {
-            arm: {
-                "scenarios": len(v),
-                "median": float(np.median(v)),
-                "mean": float(np.mean(v)),
-                "p90": float(np.percentile(v, 90)),
-            }
-            for arm, v in kls.items()
-        },
+        "kl_from_full": {arm: {"scenarios": len(v), **spread(v)} for arm, v in c["kls"].items()},
         "continuations": {
             arm: {
                 "scenarios": len(v),
                 "token_agreement": float(np.mean(v)) if v else None,
-                "identical": cont_equal[arm],
+                "identical": c["cont_equal"][arm],
             }
-            for arm, v in cont.items()
+            for arm, v in c["cont"].items()
         },
     }
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--scenarios", type=int, default=200, help="disagreeing scenarios wanted")
+    ap.add_argument("--max-attempts", type=int, default=1200)
+    ap.add_argument("--recall", type=int, default=100, help="evicted-fact questions answered")
+    ap.add_argument("--continuations", type=int, default=40, help="32-token continuations")
+    ap.add_argument("--model", default=None, help="a .gguf file (default: SmolLM2-135M)")
+    ap.add_argument("--out", default=None, help="write OUT.json and OUT.md")
+    args = ap.parse_args(argv)
+    path, model, chat = load(args.model)
+    res = results(path, study(args, model, chat))
     print(json.dumps(res, indent=2))
-    if args.out:
-        with open(f"{args.out}.json", "w") as f:
-            json.dump(res, f, indent=2)
-        with open(f"{args.out}.md", "w") as f:
-            f.write(markdown(res))
+    save(args.out, res, markdown)
     return res
 
 
 def markdown(r: dict) -> str:
     a, rc, k, c = r["agreement"], r["recall"], r["kl_from_full"], r["continuations"]
-
-    def pct(x, ci):
-        return f"{x:.0%} [{ci[0]:.0%}, {ci[1]:.0%}]"
-
     lines = [
         f"Model `{r['model'].split('/')[-1]}`, {r['attempts']} scenarios tried, {r['seconds']} s.",
         "",
         f"(a) first token where full and FORGET disagree ({a['scenarios']} scenarios):",
         "",
-        "| AMORTIZE = full | AMORTIZE = FORGET | neither |",
-        "|---|---|---|",
-        f"| {pct(a['rate_full'], a['ci_full'])} | {pct(a['rate_forget'], a['ci_forget'])} "
-        f"| {pct(a['rate_neither'], a['ci_neither'])} |",
+        *table(
+            ["AMORTIZE = full", "AMORTIZE = FORGET", "neither"],
+            [[pct_ci(a[f"rate_{x}"], a[f"ci_{x}"]) for x in ("full", "forget", "neither")]],
+            "lll",
+        ),
         "",
         f"(b) evicted-fact recall ({rc['questions']} questions; answer in {RECALL_TOKENS} greedy "
         "tokens):",
         "",
-        "| full | AMORTIZE | FORGET |",
-        "|---|---|---|",
-        f"| {pct(rc['rate_full'], rc['ci_full'])} | {pct(rc['rate_amortize'], rc['ci_amortize'])} "
-        f"| {pct(rc['rate_forget'], rc['ci_forget'])} |",
+        *table(
+            ["full", "AMORTIZE", "FORGET"],
+            [[pct_ci(rc[f"rate_{x}"], rc[f"ci_{x}"]) for x in ("full", "amortize", "forget")]],
+            "lll",
+        ),
         "",
         "(c) KL(full || arm) of the next-token distribution, nats "
         f"({k['amortize']['scenarios']} scenarios):",
         "",
-        "| arm | median | mean | p90 |",
-        "|---|---|---|---|",
-        *(
-            f"| {arm} | {v['median']:.3f} | {v['mean']:.3f} | {v['p90']:.3f} |"
-            for arm, v in k.items()
+        *table(
+            ["arm", "median", "mean", "p90"],
+            [[arm, *(f"{v[s]:.3f}" for s in ("median", "mean", "p90"))] for arm, v in k.items()],
+            "llll",
         ),
         "",
         f"(d) 32-token greedy continuations ({c['amortize']['scenarios']} scenarios):",
         "",
-        "| arm | tokens equal to full's | continuations identical |",
-        "|---|---|---|",
-        *(f"| {arm} | {v['token_agreement']:.0%} | {v['identical']} |" for arm, v in c.items()),
+        *table(
+            ["arm", "tokens equal to full's", "continuations identical"],
+            [[arm, f"{v['token_agreement']:.0%}", str(v["identical"])] for arm, v in c.items()],
+            "lll",
+        ),
         "",
     ]
     return "\n".join(lines)

@@ -72,11 +72,13 @@ import jax.numpy as jnp
 import numpy as np
 
 import leyline_jax as ll
+from benchmarks import harness
 from checkpoints.tiny import ensure_default_checkpoints
 from serve import chat, compile_cache
-from serve.conversation import ModVocabTokenizer, OutputText, ReplyMemory
 from serve.engine import Engine, SamplingParams
 from serve.http import Backend, ServerThread
+from serve.http.history import ReplyMemory
+from serve.http.text import ModVocabTokenizer, OutputText
 
 ENGINE = dict(num_pages=512, page_size=16, max_seqs=16, kv_dtype=jnp.float32)
 MODEL = "tiny"
@@ -164,6 +166,40 @@ def run_inproc(engine: Engine, tok, c: int, turns: int, max_tokens: int, tag: st
 
 
 # ---- the HTTP arms ------------------------------------------------------------------------------
+def ask(arm: str, client, conn, key: str, kw: dict, extra: dict) -> tuple[dict, str, dict]:
+    """One turn over HTTP: (its record: t0 and t1 around the call, for `stream` TTFC; the
+    reply's content; the response's `leyline` field)."""
+    headers = {"X-Session-Id": key}
+    if arm == "raw":
+        body = json.dumps({**kw, **extra}).encode()
+        t0 = time.perf_counter()
+        conn.request(
+            "POST", "/v1/chat/completions", body, {"Content-Type": "application/json", **headers}
+        )
+        resp = conn.getresponse()
+        data = json.loads(resp.read())
+        t1 = time.perf_counter()
+        assert resp.status == 200, data
+        return dict(t0=t0, t1=t1), data["choices"][0]["message"]["content"], data["leyline"]
+    if arm == "openai":
+        t0 = time.perf_counter()
+        r = client.chat.completions.create(**kw, extra_headers=headers, extra_body=extra)
+        t1 = time.perf_counter()
+        return dict(t0=t0, t1=t1), r.choices[0].message.content, r.model_extra["leyline"]
+    parts, ttfc, last = [], None, None
+    t0 = time.perf_counter()
+    for ch in client.chat.completions.create(
+        **kw, stream=True, extra_headers=headers, extra_body=extra
+    ):
+        if ch.choices and ch.choices[0].delta.content:
+            if ttfc is None:
+                ttfc = time.perf_counter() - t0
+            parts.append(ch.choices[0].delta.content)
+        last = ch
+    t1 = time.perf_counter()
+    return dict(ttfc=ttfc, t0=t0, t1=t1), "".join(parts), last.model_extra["leyline"]
+
+
 def http_session(
     arm, client, url, key, i, turns, max_tokens, barrier, out, errors, cpu, profiles
 ) -> None:
@@ -184,46 +220,9 @@ def http_session(
             msgs += conversation(i, t)
             kw = dict(model=MODEL, messages=msgs, max_tokens=max_tokens, temperature=0)
             extra = {"leyline": {"return_token_ids": True}}
-            rec = {}
-            if arm == "raw":
-                body = json.dumps({**kw, **extra}).encode()
-                t0 = time.perf_counter()
-                conn.request(
-                    "POST",
-                    "/v1/chat/completions",
-                    body,
-                    {"Content-Type": "application/json", "X-Session-Id": key},
-                )
-                resp = conn.getresponse()
-                data = json.loads(resp.read())
-                t1 = time.perf_counter()
-                assert resp.status == 200, data
-                content, ley = data["choices"][0]["message"]["content"], data["leyline"]
-            elif arm == "openai":
-                t0 = time.perf_counter()
-                r = client.chat.completions.create(
-                    **kw, extra_headers={"X-Session-Id": key}, extra_body=extra
-                )
-                t1 = time.perf_counter()
-                content, ley = r.choices[0].message.content, r.model_extra["leyline"]
-            else:  # stream
-                parts, ttfc, last = [], None, None
-                t0 = time.perf_counter()
-                for ch in client.chat.completions.create(
-                    **kw, stream=True, extra_headers={"X-Session-Id": key}, extra_body=extra
-                ):
-                    if ch.choices and ch.choices[0].delta.content:
-                        if ttfc is None:
-                            ttfc = time.perf_counter() - t0
-                        parts.append(ch.choices[0].delta.content)
-                    last = ch
-                t1 = time.perf_counter()
-                content, ley = "".join(parts), last.model_extra["leyline"]
-                rec["ttfc"] = ttfc
+            rec, content, ley = ask(arm, client, conn, key, kw, extra)
             rec.update(
-                t0=t0,
-                t1=t1,
-                latency=t1 - t0,
+                latency=rec["t1"] - rec["t0"],
                 prompt=ley["prompt_token_ids"],
                 output=ley["output_token_ids"],
             )
@@ -335,14 +334,16 @@ def flat(run: dict, field: str) -> list[float]:
     return [r[field] for sess in run["records"] for r in sess if r.get(field) is not None]
 
 
+def pooled(rs: list[dict], field: str) -> list[float]:
+    return [x for run in rs for x in flat(run, field)]
+
+
 def summarize(runs: dict, arms, cs, tok) -> dict:
     """runs[(c, arm)] -> list over repeats of {records, wall}."""
     out = {}
     for c in cs:
         base = runs[(c, "inproc")]
-        b_lat = [x for run in base for x in flat(run, "latency")]
-        b_ttft = [x for run in base for x in flat(run, "ttft")]
-        b_ttfc = [x for run in base for x in flat(run, "ttfc")]
+        b_lat, b_ttft, b_ttfc = (pooled(base, f) for f in ("latency", "ttft", "ttfc"))
         row = {
             "inproc": dict(
                 p50_ms=pct(b_lat, 50) * 1e3,
@@ -357,58 +358,58 @@ def summarize(runs: dict, arms, cs, tok) -> dict:
             )
         }
         for arm in arms:
-            if arm == "inproc":
-                continue
-            rs = runs[(c, arm)]
-            metrics = [("latency", "latency", "")]
-            if arm == "stream":
-                metrics.append(("ttfc", "ttfc", "ttfc_"))
-            d = {
-                "wall_ms": statistics.median(r["wall"] for r in rs) * 1e3,
-                "cpu_ms_per_turn": cpu_median(rs),
-            }
-            for field, bfield, pre in metrics:
-                xs = [x for run in rs for x in flat(run, field)]
-                bs = b_lat if bfield == "latency" else b_ttfc
-                paired = []
-                for run, brun in zip(rs, base, strict=True):
-                    for sess, bsess in zip(run["records"], brun["records"], strict=True):
-                        for r, b in zip(sess, bsess, strict=True):
-                            if r.get(field) is not None and b.get(bfield) is not None:
-                                paired.append(r[field] - b[bfield])
-                for q in (50, 95):
-                    h, b = pct(xs, q), pct(bs, q)
-                    d[f"{pre}p{q}_ms"] = h * 1e3
-                    d[f"{pre}overhead_p{q}_ms"] = (h - b) * 1e3
-                    d[f"{pre}ratio_p{q}"] = h / b
-                d[f"{pre}paired_median_overhead_ms"] = statistics.median(paired) * 1e3
-                d[f"{pre}n"] = len(xs)
-            if arm in ("openai", "raw"):  # the server's timestamps split the latency
-                seg = {"pre": [], "handoff": [], "engine": [], "post": []}
-                for run in rs:
-                    for sess in run["records"]:
-                        for r in sess:
-                            seg["pre"].append(r["arrived"] - r["t0"])
-                            seg["handoff"].append(r["submitted"] - r["arrived"])
-                            seg["engine"].append(r["finished"] - r["submitted"])
-                            seg["post"].append(r["t1"] - r["finished"])
-                d["segments_p50_ms"] = {k: pct(v, 50) * 1e3 for k, v in seg.items()}
-                d["segments_mean_ms"] = {k: float(np.mean(v)) * 1e3 for k, v in seg.items()}
-            if arm == "stream":  # the first content's token: handed to the loop -> client
-                seg = {"first_content_delivery": [], "engine": [], "after_last_token": []}
-                for run in rs:
-                    for sess in run["records"]:
-                        for r in sess:
-                            k = first_content(tok, r["output"])
-                            if r.get("ttfc") is not None and k is not None and r["handed"]:
-                                handed = r["handed"][min(k, len(r["handed"]) - 1)]
-                                seg["first_content_delivery"].append(r["t0"] + r["ttfc"] - handed)
-                            seg["engine"].append(r["finished"] - r["submitted"])
-                            seg["after_last_token"].append(r["t1"] - r["finished"])
-                d["segments_p50_ms"] = {k: pct(v, 50) * 1e3 for k, v in seg.items()}
-            row[arm] = d
+            if arm != "inproc":
+                row[arm] = summarize_arm(arm, runs[(c, arm)], base, tok)
         out[str(c)] = row
     return out
+
+
+def summarize_arm(arm: str, rs: list[dict], base: list[dict], tok) -> dict:
+    """An HTTP arm's repeats beside the in-process arm's (`base`): percentiles, overheads,
+    and where the time goes."""
+    d = {
+        "wall_ms": statistics.median(r["wall"] for r in rs) * 1e3,
+        "cpu_ms_per_turn": cpu_median(rs),
+    }
+    for field, pre in (
+        (("latency", ""), ("ttfc", "ttfc_")) if arm == "stream" else (("latency", ""),)
+    ):
+        xs, bs = pooled(rs, field), pooled(base, field)
+        paired = [
+            r[field] - b[field]
+            for run, brun in zip(rs, base, strict=True)
+            for sess, bsess in zip(run["records"], brun["records"], strict=True)
+            for r, b in zip(sess, bsess, strict=True)
+            if r.get(field) is not None and b.get(field) is not None
+        ]
+        for q in (50, 95):
+            h, b = pct(xs, q), pct(bs, q)
+            d[f"{pre}p{q}_ms"] = h * 1e3
+            d[f"{pre}overhead_p{q}_ms"] = (h - b) * 1e3
+            d[f"{pre}ratio_p{q}"] = h / b
+        d[f"{pre}paired_median_overhead_ms"] = statistics.median(paired) * 1e3
+        d[f"{pre}n"] = len(xs)
+    records = [r for run in rs for sess in run["records"] for r in sess]
+    if arm in ("openai", "raw"):  # the server's timestamps split the latency
+        seg = {
+            "pre": [r["arrived"] - r["t0"] for r in records],
+            "handoff": [r["submitted"] - r["arrived"] for r in records],
+            "engine": [r["finished"] - r["submitted"] for r in records],
+            "post": [r["t1"] - r["finished"] for r in records],
+        }
+        d["segments_p50_ms"] = {k: pct(v, 50) * 1e3 for k, v in seg.items()}
+        d["segments_mean_ms"] = {k: float(np.mean(v)) * 1e3 for k, v in seg.items()}
+    if arm == "stream":  # the first content's token: handed to the loop -> client
+        seg = {"first_content_delivery": [], "engine": [], "after_last_token": []}
+        for r in records:
+            k = first_content(tok, r["output"])
+            if r.get("ttfc") is not None and k is not None and r["handed"]:
+                handed = r["handed"][min(k, len(r["handed"]) - 1)]
+                seg["first_content_delivery"].append(r["t0"] + r["ttfc"] - handed)
+            seg["engine"].append(r["finished"] - r["submitted"])
+            seg["after_last_token"].append(r["t1"] - r["finished"])
+        d["segments_p50_ms"] = {k: pct(v, 50) * 1e3 for k, v in seg.items()}
+    return d
 
 
 def per_repeat(run: dict) -> dict:
@@ -444,75 +445,81 @@ def agreement(runs: dict, arms, cs) -> dict:
     return res
 
 
-def table(summary: dict, cs, arms) -> str:
-    lines = [
-        "| C | arm | p50 ms | p95 ms | in-proc p50 | in-proc p95 | overhead p50 ms (ratio) "
-        "| overhead p95 ms (ratio) | paired Δ p50 ms | workload wall ms (in-proc) |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for c in cs:
-        row = summary[str(c)]
-        b = row["inproc"]
-        for arm in arms:
-            if arm == "inproc":
-                continue
-            d = row[arm]
-            for pre, name, bp in (("", arm, ""), ("ttfc_", f"{arm} TTFC", "ttfc_")):
-                if f"{pre}p50_ms" not in d:
-                    continue
-                lines.append(
-                    f"| {c} | {name} | {d[f'{pre}p50_ms']:.1f} | {d[f'{pre}p95_ms']:.1f} "
-                    f"| {b[f'{bp}p50_ms']:.1f} | {b[f'{bp}p95_ms']:.1f} "
-                    f"| {d[f'{pre}overhead_p50_ms']:+.1f} ({d[f'{pre}ratio_p50']:.2f}x) "
-                    f"| {d[f'{pre}overhead_p95_ms']:+.1f} ({d[f'{pre}ratio_p95']:.2f}x) "
-                    f"| {d[f'{pre}paired_median_overhead_ms']:+.1f} "
-                    f"| {d['wall_ms']:.0f} ({b['wall_ms']:.0f}) |"
+def overhead_rows(summary: dict, cs, arms) -> list[list[str]]:
+    """Per C and HTTP arm (and its TTFC beside the in-process arm's, streaming): the
+    overhead table's cells."""
+    rows = []
+    for c, arm in ((c, a) for c in cs for a in arms if a != "inproc"):
+        d, b = summary[str(c)][arm], summary[str(c)]["inproc"]
+        for pre, name in (("", arm), ("ttfc_", f"{arm} TTFC")):
+            if f"{pre}p50_ms" in d:
+                rows.append(
+                    [str(c), name, f"{d[f'{pre}p50_ms']:.1f}", f"{d[f'{pre}p95_ms']:.1f}"]
+                    + [f"{b[f'{pre}p50_ms']:.1f}", f"{b[f'{pre}p95_ms']:.1f}"]
+                    + [
+                        f"{d[f'{pre}overhead_p{q}_ms']:+.1f} ({d[f'{pre}ratio_p{q}']:.2f}x)"
+                        for q in (50, 95)
+                    ]
+                    + [f"{d[f'{pre}paired_median_overhead_ms']:+.1f}"]
+                    + [f"{d['wall_ms']:.0f} ({b['wall_ms']:.0f})"]
                 )
+    return rows
+
+
+def table(summary: dict, cs, arms) -> str:
+    header = ["C", "arm", "p50 ms", "p95 ms", "in-proc p50", "in-proc p95"]
+    header += ["overhead p50 ms (ratio)", "overhead p95 ms (ratio)", "paired Δ p50 ms"]
+    lines = harness.table(
+        [*header, "workload wall ms (in-proc)"], overhead_rows(summary, cs, arms), "rl" + "r" * 8
+    )
     seg_arms = [a for a in arms if a in ("openai", "raw")]
     if seg_arms:
+        header = ["C", "arm", "pre (client → handler)", "hand-off (→ engine)", "engine"]
+        rows = [
+            [str(c), arm]
+            + [f"{s[k]:.2f}" for k in ("pre", "handoff", "engine", "post")]
+            + [f"{summary[str(c)]['inproc']['p50_ms']:.2f}"]
+            for c in cs
+            for arm in seg_arms
+            for s in [summary[str(c)][arm]["segments_p50_ms"]]
+        ]
         lines += [
             "",
             "Where an HTTP turn's time goes (p50 ms of each segment, server timestamps):",
             "",
-            "| C | arm | pre (client → handler) | hand-off (→ engine) | engine | post (→ parsed "
-            "reply) | in-proc latency p50 |",
-            "|---:|---|---:|---:|---:|---:|---:|",
+            *harness.table(
+                [*header, "post (→ parsed reply)", "in-proc latency p50"], rows, "rl" + "r" * 5
+            ),
         ]
-        for c in cs:
-            for arm in seg_arms:
-                s = summary[str(c)][arm]["segments_p50_ms"]
-                lines.append(
-                    f"| {c} | {arm} | {s['pre']:.2f} | {s['handoff']:.2f} | {s['engine']:.2f} "
-                    f"| {s['post']:.2f} | {summary[str(c)]['inproc']['p50_ms']:.2f} |"
-                )
     if "stream" in arms:
+        keys = ("first_content_delivery", "engine", "after_last_token")
+        rows = [
+            [str(c), *(f"{summary[str(c)]['stream']['segments_p50_ms'][k]:.2f}" for k in keys)]
+            for c in cs
+        ]
         lines += [
             "",
             "Streaming (p50 ms): first-content delivery = the token that makes the first "
             "content handed to the event loop -> its chunk parsed by the client; the engine's "
             "span; the last token -> the parsed [DONE]:",
             "",
-            "| C | first-content delivery | engine | after the last token |",
-            "|---:|---:|---:|---:|",
+            *harness.table(
+                ["C", "first-content delivery", "engine", "after the last token"], rows, "rrrr"
+            ),
         ]
-        for c in cs:
-            s = summary[str(c)]["stream"]["segments_p50_ms"]
-            lines.append(
-                f"| {c} | {s['first_content_delivery']:.2f} | {s['engine']:.2f} "
-                f"| {s['after_last_token']:.2f} |"
-            )
+    header = ["C", "arm", "event loop", "engine thread", "clients", "in-proc main", "process"]
+    rows = [
+        [str(c), arm] + [f"{u[k]:.2f}" if k in u else "-" for k in CPU_COLUMNS]
+        for c in cs
+        for arm in arms
+        for u in [summary[str(c)][arm]["cpu_ms_per_turn"]]
+    ]
     lines += [
         "",
         "CPU ms per turn by thread (median over repeats; XLA's own threads only in `process`):",
         "",
-        "| C | arm | event loop | engine thread | clients | in-proc main | process |",
-        "|---:|---|---:|---:|---:|---:|---:|",
+        *harness.table(header, rows, "rl" + "r" * 5),
     ]
-    for c in cs:
-        for arm in arms:
-            u = summary[str(c)][arm]["cpu_ms_per_turn"]
-            cells = [f"{u[k]:.2f}" if k in u else "-" for k in CPU_COLUMNS]
-            lines.append(f"| {c} | {arm} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -599,13 +606,7 @@ def floors(client, server, tok, n: int = 50) -> dict:
     server-side rendering of one turn's prompt, p50 of n."""
 
     def p50(fn):
-        fn()
-        ts = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-        return statistics.median(ts) * 1e3
+        return harness.median_time(fn, repeats=n) * 1e3
 
     host, port = server.url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=60)
@@ -627,7 +628,7 @@ def floors(client, server, tok, n: int = 50) -> dict:
     return res
 
 
-def main(argv=None) -> dict:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--turns", type=int, default=6)
@@ -653,6 +654,29 @@ def main(argv=None) -> dict:
         default=None,
         help="keep compiled programs in DIR (default: serve.compile_cache's; off: none)",
     )
+    return ap
+
+
+def timed_repeats(run, arms, cs, repeats: int) -> tuple[dict, float]:
+    """`run(arm, c, tag)` of every workload once untimed, then `repeats` times in alternating
+    order: (runs[(c, arm)], a run per repeat; the timed repeats' seconds)."""
+    t0 = time.perf_counter()
+    for c in cs:
+        for arm in arms:
+            run(arm, c, f"warm-c{c}-{arm}")
+    print(f"untimed pass: {time.perf_counter() - t0:.1f} s", flush=True)
+    runs: dict = {(c, a): [] for c in cs for a in arms}
+    t0 = time.perf_counter()
+    for rep in range(repeats):
+        for c in cs:
+            for arm in arms if rep % 2 == 0 else arms[::-1]:
+                runs[(c, arm)].append(run(arm, c, f"r{rep}-c{c}-{arm}"))
+        print(f"repeat {rep + 1}/{repeats} done", flush=True)
+    return runs, time.perf_counter() - t0
+
+
+def main(argv=None) -> dict:
+    ap = parser()
     args = ap.parse_args(argv)
     import openai
 
@@ -681,42 +705,33 @@ def main(argv=None) -> dict:
     server_log, ctx = hook_server_log(backend)
     server = ServerThread(backend).start()
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
-    runs: dict = {(c, a): [] for c in cs for a in arms}
+
+    def run(arm: str, c: int, tag: str) -> dict:
+        if arm == "inproc":
+            return run_inproc(inproc, tok, c, args.turns, args.max_tokens, tag)
+        return run_http(arm, client, server, c, args.turns, args.max_tokens, tag, server_log)
+
     try:
-        t0 = time.perf_counter()
-        for c in cs:  # the untimed pass: every arm's workload once
-            for arm in arms:
-                tag = f"warm-c{c}-{arm}"
-                if arm == "inproc":
-                    run_inproc(inproc, tok, c, args.turns, args.max_tokens, tag)
-                else:
-                    run_http(arm, client, server, c, args.turns, args.max_tokens, tag, server_log)
-        print(f"untimed pass: {time.perf_counter() - t0:.1f} s", flush=True)
-        t0 = time.perf_counter()
-        for rep in range(args.repeats):
-            for c in cs:
-                order = arms if rep % 2 == 0 else arms[::-1]
-                for arm in order:
-                    tag = f"r{rep}-c{c}-{arm}"
-                    if arm == "inproc":
-                        run = run_inproc(inproc, tok, c, args.turns, args.max_tokens, tag)
-                    else:
-                        run = run_http(
-                            arm, client, server, c, args.turns, args.max_tokens, tag, server_log
-                        )
-                    runs[(c, arm)].append(run)
-            print(f"repeat {rep + 1}/{args.repeats} done", flush=True)
-        t_timed = time.perf_counter() - t0
+        runs, t_timed = timed_repeats(run, arms, cs, args.repeats)
         fl = floors(client, server, tok)
-        profiles = (
-            profile_pass(
+        profiles = None
+        if args.profile:
+            profiles = profile_pass(
                 arms, client, server, ctx, max(cs), args.turns, args.max_tokens, server_log
-            )  # fmt: skip
-            if args.profile
-            else None
-        )
+            )
     finally:
         server.stop()
+    result = report(args, cs, arms, runs, tok, fl, profiles, (t_all, t_warm, t_timed))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+def report(args, cs, arms, runs: dict, tok, fl: dict, profiles, times: tuple) -> dict:
+    """Print the tables and return the run's JSON; `times`: (the run's start, the warm-up's
+    seconds, the timed repeats')."""
+    t_all, t_warm, t_timed = times
     summary = summarize(runs, arms, cs, tok)
     agree = agreement(runs, arms, cs)
     outputs = [len(r["output"]) for run in runs[(cs[0], "inproc")] for s in run["records"]
@@ -735,7 +750,7 @@ def main(argv=None) -> dict:
     print(f"completion tokens per turn: mean {np.mean(outputs):.1f} (max {args.max_tokens})")
     wall = time.perf_counter() - t_all
     print(f"wall: {wall:.0f} s (warmup {t_warm:.0f} s, timed repeats {t_timed:.0f} s)")
-    result = dict(
+    return dict(
         config=dict(
             repeats=args.repeats,
             turns=args.turns,
@@ -761,10 +776,6 @@ def main(argv=None) -> dict:
             f"{c}/{a}": [per_repeat(run) for run in runs[(c, a)]] for c in cs for a in arms
         },
     )
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-    return result
 
 
 if __name__ == "__main__":

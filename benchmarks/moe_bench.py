@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
 import sys
 import time
 
@@ -32,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import measure_read_bandwidth, median_time
+from benchmarks import harness
 from leyline_jax.moe import moe_experts_dense, moe_experts_grouped, prefers_grouped
 
 # DeepSeek-V2-Lite's routed experts
@@ -51,13 +50,6 @@ CROSSOVER = (
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
-def matmul_rate(dtype, n: int = 2048) -> float:
-    """flop/s of an n x n x n matmul in `dtype`, median of 5."""
-    a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n)), dtype)
-    mm = jax.jit(lambda x: x @ x)
-    return 2 * n**3 / median_time(lambda: mm(a))
-
-
 def experts(rng, e: int, h: int, i: int, dtype):
     """Random gate, up [E, H, I] and down [E, I, H] weights (std 0.02, as an initializer)."""
     shapes = ((e, h, i), (e, h, i), (e, i, h))
@@ -70,27 +62,14 @@ def routing(rng, t: int, e: int, k: int):
     return jnp.asarray(rng.random((t, k)), jnp.float32), jnp.asarray(idx, jnp.int32)
 
 
-def interleaved_medians(fns, repeats: int) -> list[float]:
-    """Median wall time of each of `fns` (compiled and warmed first), run in turn `repeats`
-    times so that a change of load on the machine reaches every one of them alike."""
-    for fn in fns:
-        jax.block_until_ready(fn())
-    times = [[] for _ in fns]
-    for _ in range(repeats):
-        for fn, ts in zip(fns, times, strict=True):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn())
-            ts.append(time.perf_counter() - t0)
-    return [statistics.median(ts) for ts in times]
-
-
 def dispatch_times(x, weights, idx, w, repeats: int, ragged: bool = False) -> list[float]:
     """Median times of the dense and the grouped dispatch (and of grouped through ragged_dot)."""
     fns = [moe_experts_dense, moe_experts_grouped]
     if ragged:
         fns.append(functools.partial(moe_experts_grouped, ragged=True))
     jitted = [jax.jit(fn) for fn in fns]
-    return interleaved_medians([lambda f=f: f(x, weights, idx, *w) for f in jitted], repeats)
+    calls = {i: lambda f=f: f(x, weights, idx, *w) for i, f in enumerate(jitted)}
+    return list(harness.interleaved(calls, repeats).values())
 
 
 def bench_v2_lite(tokens, dtype_names, ragged_tokens, repeats: int, read_bw: float) -> list[dict]:
@@ -98,7 +77,7 @@ def bench_v2_lite(tokens, dtype_names, ragged_tokens, repeats: int, read_bw: flo
     rows = []
     for name in dtype_names:
         dtype = DTYPES[name]
-        rate = matmul_rate(dtype)
+        rate = harness.matmul_rate(2048, dtype)
         rng = np.random.default_rng(0)
         w = experts(rng, e, h, i, dtype)
         for t in tokens:
@@ -184,7 +163,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
 
     start = time.perf_counter()
-    read_bw = measure_read_bandwidth()
+    read_bw = harness.read_bandwidth()
     print(
         f"machine: read bandwidth {read_bw / 1e9:.1f} GB/s, jax {jax.__version__} on "
         f"{jax.devices()[0].platform}",

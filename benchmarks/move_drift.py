@@ -52,9 +52,22 @@ import jax.numpy as jnp
 import numpy as np
 
 import leyline_jax as ll
+from benchmarks import harness
 from benchmarks.decay_fidelity import Stop
-from benchmarks.fidelity import RECALL_TOKENS, Chat, kl, scenario, wilson
-from leyline_jax import gguf, paged
+from benchmarks.fidelity import (
+    RECALL_TOKENS,
+    Chat,
+    greedy,
+    kl,
+    load,
+    pct_ci,
+    question,
+    save,
+    scenario,
+    spread,
+    wilson,
+)
+from leyline_jax import paged
 
 CASES = ("drop", "swap", "requote")
 ARMS = ("move", "fresh")  # seq 1 + 2c: MOVE of case c; seq 2 + 2c: FORGET (the fresh prefill)
@@ -76,13 +89,6 @@ def layout(ids: list[int], chat: Chat):
         rounds.append((s, mid, e))
         records.append((tool, record))
     return rounds, records
-
-
-def question(chat: Chat, tool: str, record: dict, field: str) -> list[int]:
-    """The fidelity study's question about one field, with the answer begun."""
-    key, words = record[next(iter(record))], field.replace("_", " ")
-    text = f"From the {tool} result for {key}, what is the {words}? Answer with the value only."
-    return chat.message("user", text)[0] + chat.prompt() + chat.encode(f"The {words} is")
 
 
 def case(name: str, ids: list[int], rounds, rng):
@@ -119,13 +125,6 @@ def common_run(a: list[int], b: list[int]) -> int:
     return k
 
 
-def _timed(model, state, seq, d):
-    t = time.perf_counter()
-    state, applied = ll.apply_directives(model, state, seq, [d], report=True)
-    jax.block_until_ready(state.pools)
-    return state, applied, time.perf_counter() - t
-
-
 def run_scenario(model, state, i: int, chat: Chat, fresh_check: bool):
     """Every case of scenario i: (state, [row per case], [KL(scratch || forget)] when
     `fresh_check`)."""
@@ -148,7 +147,9 @@ def run_scenario(model, state, i: int, chat: Chat, fresh_check: bool):
             seq = 1 + 2 * c + k
             state = ll.fork(state, 0, seq)
             d = ll.Directive(start, end, rep, mode, sources=srcs if k == 0 else ())
-            state, applied, dt = _timed(model, state, seq, d)
+            (state, applied), dt = harness.clocked(
+                lambda s=state, n=seq, d=d: ll.apply_directives(model, s, n, [d], report=True)
+            )
             assert ll.tokens(state, seq) == b, (name, mode, "edited to B")
             row[f"{ARMS[k]}_seconds"] = dt
             row[f"{ARMS[k]}_applied"] = {
@@ -167,13 +168,7 @@ def run_scenario(model, state, i: int, chat: Chat, fresh_check: bool):
         )
         rows.append(row)
         bs.append(b)
-    state, logits = paged.extend(model, state, seqs, qs)
-    logits = np.asarray(logits)
-    outs = [[int(t)] for t in logits.argmax(-1)]
-    for _ in range(RECALL_TOKENS - 1):
-        state, lg = ll.decode(model, state, seqs, [o[-1] for o in outs])
-        for o, t in zip(outs, np.asarray(lg).argmax(-1), strict=True):
-            o.append(int(t))
+    state, logits, outs = greedy(model, state, seqs, qs, RECALL_TOKENS)
     for c, row in enumerate(rows):
         mv, fr = 2 * c, 2 * c + 1
         row["kl"] = kl(logits[fr], logits[mv])
@@ -194,15 +189,6 @@ def run_scenario(model, state, i: int, chat: Chat, fresh_check: bool):
     return state, rows, checks
 
 
-def _stats(v) -> dict:
-    v = np.asarray(v, np.float64)
-    return {
-        "median": float(np.median(v)),
-        "mean": float(v.mean()),
-        "p90": float(np.percentile(v, 90)),
-    }
-
-
 def summary(rows: list[dict]) -> dict:
     """(a)-(d) over some cases."""
     n = len(rows)
@@ -212,7 +198,7 @@ def summary(rows: list[dict]) -> dict:
     for key in ("agree", "recall_move", "recall_fresh"):
         k = int(sum(r[key] for r in rows))
         out[key] = {"hits": k, "rate": k / n, "ci": wilson(k, n)}
-    out["kl"] = _stats([r["kl"] for r in rows])
+    out["kl"] = spread(np.asarray([r["kl"] for r in rows], np.float64))
     for key in ("differing", "common_run", "shift", "length"):
         out[f"{key}_median"] = float(np.median([r[key] for r in rows]))
     for arm in ARMS:
@@ -241,9 +227,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--model", default=None, help="a .gguf file (default: SmolLM2-135M)")
     ap.add_argument("--out", default=None, help="write OUT.json and OUT.md")
     args = ap.parse_args(argv)
-    path = args.model or str(gguf.smollm2_path())
-    model = ll.load_model(path)
-    chat = Chat(gguf.gguf_tokenizer(path))
+    path, model, chat = load(args.model)
     state = ll.init_state(
         model.config,
         num_pages=512,
@@ -282,34 +266,37 @@ def main(argv=None) -> dict:
         "rows": rows,
     }
     print(json.dumps({k: v for k, v in res.items() if k != "rows"}, indent=2))
-    if args.out:
-        with open(f"{args.out}.json", "w") as f:
-            json.dump(res, f, indent=2)
-        with open(f"{args.out}.md", "w") as f:
-            f.write(markdown(res))
+    save(args.out, res, markdown)
     return res
 
 
 def markdown(r: dict) -> str:
     def pct(v):
-        return f"{v['rate']:.0%} [{v['ci'][0]:.0%}, {v['ci'][1]:.0%}] ({v['hits']})"
+        return f"{pct_ci(v['rate'], v['ci'])} ({v['hits']})"
 
-    def table(groups: dict, label: str) -> list[str]:
-        head = [
-            f"| {label} | cases | first token = fresh | KL median | KL mean | KL p90 "
-            "| recall MOVE | recall fresh |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|",
-        ]
-        return head + [
-            f"| {name} | {s['cases']} | {pct(s['agree'])} | {s['kl']['median']:.3f} "
-            f"| {s['kl']['mean']:.3f} | {s['kl']['p90']:.3f} | {pct(s['recall_move'])} "
-            f"| {pct(s['recall_fresh'])} |"
+    def drift(groups: dict, label: str) -> list[str]:
+        header = [label, "cases", "first token = fresh", "KL median", "KL mean", "KL p90"]
+        rows = [
+            [name, str(s["cases"]), pct(s["agree"])]
+            + [f"{s['kl'][q]:.3f}" for q in ("median", "mean", "p90")]
+            + [pct(s["recall_move"]), pct(s["recall_fresh"])]
             for name, s in groups.items()
             if s["cases"]
+        ]
+        return harness.table([*header, "recall MOVE", "recall fresh"], rows)
+
+    def cost(name: str, s: dict) -> list[str]:
+        tokens = ("move_moved", "move_spliced", "move_prefilled", "fresh_prefilled")
+        return [name, *(f"{s[f'{k}_median']:.0f}" for k in tokens)] + [
+            f"{s['move_ms_median']:.0f} ms",
+            f"{s['fresh_ms_median']:.0f} ms",
+            f"{s['speedup_median']:.1f}x",
         ]
 
     fc = r["fresh_check"]
     groups = {**r["by_case"], "all": r["all"]}
+    header = ["case", "MOVE moved", "MOVE spliced", "MOVE prefilled", "fresh prefilled"]
+    header += ["MOVE edit", "fresh prefill", "fresh / MOVE"]
     lines = [
         f"Model `{r['model'].split('/')[-1]}`, {r['scenarios']} scenarios ({r['all']['cases']} "
         f"cases), {r['seconds']} s (plus a {r['warmup_seconds']} s warm-up scenario).",
@@ -317,31 +304,22 @@ def markdown(r: dict) -> str:
         "(a)-(c) MOVE against the fresh prefill of B (Wilson 95% intervals; KL(fresh || MOVE), "
         "nats):",
         "",
-        *table(groups, "case"),
+        *drift(groups, "case"),
         "",
         "(d) tokens (medians per case: MOVE's moved / spliced / prefilled; the fresh prefill's "
         "tokens) and wall time (medians, after a warm-up scenario):",
         "",
-        "| case | MOVE moved | MOVE spliced | MOVE prefilled | fresh prefilled | MOVE edit "
-        "| fresh prefill | fresh / MOVE |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-        *(
-            f"| {name} | {s['move_moved_median']:.0f} | {s['move_spliced_median']:.0f} "
-            f"| {s['move_prefilled_median']:.0f} | {s['fresh_prefilled_median']:.0f} "
-            f"| {s['move_ms_median']:.0f} ms | {s['fresh_ms_median']:.0f} ms "
-            f"| {s['speedup_median']:.1f}x |"
-            for name, s in groups.items()
-        ),
+        *harness.table(header, [cost(name, s) for name, s in groups.items()]),
         "",
         "(e) drift by the tokens of preceding text that differ between A and B (inserted or "
         "deleted before the asked block):",
         "",
-        *table(r["by_differing"], "differing tokens"),
+        *drift(r["by_differing"], "differing tokens"),
         "",
         "(f) drift by the distance from the change (tokens just before the asked block that are "
         "the same in A and B):",
         "",
-        *table(r["by_common_run"], "common run"),
+        *drift(r["by_common_run"], "common run"),
         "",
         f"Check of the reference: B prefilled from scratch vs FORGET's B ({fc['cases']} cases): "
         + (

@@ -30,12 +30,7 @@ import numpy as np
 from flax import nnx
 
 import leyline_jax as ll
-from benchmarks.common import (
-    BENCH_HF_CONFIG,
-    measure_copy_bandwidth,
-    measure_matmul_rate,
-    median_time,
-)
+from benchmarks import harness
 from checkpoints.tiny import TINY_HF_CONFIGS, write_random_checkpoint
 from leyline_jax import paged
 
@@ -96,7 +91,7 @@ def gemm_time(model, batch: int) -> float:
         lead = (batch,) + w.shape[:-2] + w.shape[-2:-1]
         x = jnp.asarray(rng.standard_normal(lead), w.dtype)
         mm = jax.jit(lambda x, w: jnp.einsum("b...i,...io->b...o", x, w))
-        total += median_time(lambda x=x, w=w, mm=mm: mm(x, w), repeats=7)
+        total += harness.median_time(lambda x=x, w=w, mm=mm: mm(x, w), repeats=7)
     return total
 
 
@@ -119,7 +114,7 @@ def bench_ours(model, t_prefill: int, batch: int):
         st["s"], logits = ll.prefill(model, st["s"], 0, prompt)
         return logits
 
-    prefill_s = median_time(run_prefill, repeats=3)
+    prefill_s = harness.median_time(run_prefill, repeats=3)
 
     st["s"] = fresh()
     for s in range(batch):
@@ -131,7 +126,7 @@ def bench_ours(model, t_prefill: int, batch: int):
         st["s"], logits = ll.decode(model, st["s"], seqs, toks)
         return logits
 
-    decode_s = median_time(run_decode, repeats=DECODE_STEPS, warmup=2)
+    decode_s = harness.median_time(run_decode, repeats=DECODE_STEPS, warmup=2)
     return prefill_s, decode_s
 
 
@@ -188,7 +183,7 @@ def bench_hf(path, t_prefill: int, batch: int, vocab: int):
         with torch.no_grad():
             return hf(prompt, use_cache=True, logits_to_keep=1).logits
 
-    prefill_s = median_time(run_prefill, repeats=3)
+    prefill_s = harness.median_time(run_prefill, repeats=3)
     ctx = torch.tensor(rng.integers(0, vocab, (batch, CONTEXT)))
     with torch.no_grad():
         cache = hf(ctx, use_cache=True, logits_to_keep=1).cache
@@ -201,7 +196,7 @@ def bench_hf(path, t_prefill: int, batch: int, vocab: int):
         holder["cache"] = out.cache
         return out.logits
 
-    decode_s = median_time(run_decode, repeats=DECODE_STEPS, warmup=2)
+    decode_s = harness.median_time(run_decode, repeats=DECODE_STEPS, warmup=2)
     return prefill_s, decode_s
 
 
@@ -231,12 +226,12 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     args = ap.parse_args(argv)
 
-    bw, rate = measure_copy_bandwidth(), measure_matmul_rate()
+    bw, rate = harness.copy_bandwidth()["inplace_bytes_s"], harness.matmul_rate()
     print(
         f"machine: copy bandwidth {bw / 1e9:.1f} GB/s, fp32 matmul {rate / 1e9:.1f} GFLOP/s, "
         f"jax {jax.__version__} on {jax.devices()[0].platform}"
     )
-    configs = {"tiny": TINY_HF_CONFIGS["glm4_moe_lite"], "bench": BENCH_HF_CONFIG}
+    configs = {"tiny": TINY_HF_CONFIGS["glm4_moe_lite"], "bench": harness.BENCH_HF_CONFIG}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.configs.split(","):

@@ -4,7 +4,7 @@
         [--repeats 3] [--layers N] [--splice-only]
 
 Bench config (DeepSeek-V2-Lite attention shapes, 2 layers unless `--layers`;
-`benchmarks.common`), fp32 params, default cache dtypes (bf16 `c_kv` stored as bits, fp32
+`benchmarks.harness`), fp32 params, default cache dtypes (bf16 `c_kv` stored as bits, fp32
 `k_pe`), page size 16. Sequence: a 1024-token prefix, a 64-token span, then D downstream
 tokens. The directive replaces the span by a 16-token stub.
 
@@ -42,14 +42,14 @@ import json
 import os
 import statistics
 import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import leyline_jax as ll
-from benchmarks.common import BENCH_HF_CONFIG, measure_copy_bandwidth, median_time
+from benchmarks import harness
+from benchmarks.device.floors import kv_bytes_per_token
 from checkpoints.tiny import write_random_checkpoint
 from leyline_jax import allocator, splice
 from leyline_jax import kv_state as kv
@@ -95,13 +95,10 @@ def build(model, downstream: int):
 def time_amortize(model, downstream: int, repeats: int) -> float:
     directive = ll.Directive(PREFIX, PREFIX + SPAN, list(range(STUB)))
     times = []
-    for i in range(repeats + 1):  # the first run compiles
+    for _ in range(repeats + 1):  # the first run compiles
         state = jax.block_until_ready(build(model, downstream))
-        t0 = time.perf_counter()
-        state = jax.block_until_ready(ll.apply_directive(model, state, 0, directive))
-        if i:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        times.append(harness.timed(lambda s=state: ll.apply_directive(model, s, 0, directive)))
+    return statistics.median(times[1:])
 
 
 def time_splice_only(model, downstream: int, repeats: int) -> float:
@@ -127,7 +124,7 @@ def time_splice_only(model, downstream: int, repeats: int) -> float:
         box["pools"] = splice.splice_pools(box["pools"], runs, inv, table, impl="jnp")
         return box["pools"].rotated[-1]
 
-    return median_time(run, repeats=repeats)
+    return harness.median_time(run, repeats=repeats)
 
 
 # ---- the splice pass alone, implementations side by side ----------------------------------
@@ -144,7 +141,7 @@ def splice_moves(downstream: int, layout: str, num_pages: int):
         [np.arange(first, PREFIX), np.arange(PREFIX + SPAN, PREFIX + SPAN + downstream)]
     )
     j = np.where(i < PREFIX, i, i - SPAN + stub)
-    n_old = -(-(PREFIX + SPAN + downstream) // PAGE)
+    n_old = allocator.pages_for(PREFIX + SPAN + downstream, PAGE)
     pages = np.arange(num_pages)
     if layout == "pages shuffled":
         pages = np.random.default_rng(0).permutation(num_pages)
@@ -212,28 +209,6 @@ def _pieces_pass(pools, runs, inv, table, *, k_dtype, max_run):
     )
 
 
-def measure_memcpy_bandwidth(nbytes: int = 256 << 20) -> float:
-    """Bytes/s (read + write counted) of one memcpy between two large, already touched
-    buffers (numpy's copy: libc memcpy), median of 5: the floor a copy of scattered rows is
-    held to."""
-    a, b = np.ones(nbytes // 4, np.float32), np.zeros(nbytes // 4, np.float32)
-    return 2 * nbytes / median_time(lambda: np.copyto(b, a))
-
-
-def _interleaved(fns: dict, repeats: int) -> dict:
-    """Median seconds of each fn, run in turns (one of each per round) after a warm-up each, so
-    the machine's load on a shared box falls on all of them alike."""
-    for fn in fns.values():
-        jax.block_until_ready(fn())
-    times = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn())
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
 def splice_passes(config, downstream: int, layout: str, repeats: int) -> dict:
     """Seconds per splice pass of each implementation (interleaved medians), and the runs."""
     total = PREFIX + SPAN + downstream + STUB
@@ -268,13 +243,13 @@ def splice_passes(config, downstream: int, layout: str, repeats: int) -> dict:
 
         return run
 
-    out = _interleaved({name: timed(name) for name in steps}, repeats)
+    out = harness.interleaved({name: timed(name) for name in steps}, repeats)
     return dict(runs=n_runs, mean_run=mean_run, **{f"{k}_s": v for k, v in out.items()})
 
 
 def splice_only(args, cfg: dict) -> list[dict]:
     config = ll.MLAConfig.from_hf(cfg)
-    memcpy, inplace = measure_memcpy_bandwidth(), measure_copy_bandwidth()
+    memcpy, inplace = harness.memcpy_bandwidth(), harness.copy_bandwidth()["inplace_bytes_s"]
     print(
         f"memcpy {memcpy / 1e9:.1f} GB/s, in-place pass {inplace / 1e9:.1f} GB/s (read + write);"
         f" {config.num_hidden_layers} layers",
@@ -282,7 +257,7 @@ def splice_only(args, cfg: dict) -> list[dict]:
     )
     rows = []
     for d in (int(x) for x in args.lengths.split(",")):
-        nbytes = d * _bytes_per_token(config) * 2
+        nbytes = d * kv_bytes_per_token(config) * 2
         for layout in LAYOUTS:
             r = splice_passes(config, d, layout, args.repeats)
             floor, floor_inplace = nbytes / memcpy, nbytes / inplace
@@ -314,16 +289,12 @@ def splice_only(args, cfg: dict) -> list[dict]:
     return rows
 
 
-def _bytes_per_token(c) -> int:
-    return c.num_hidden_layers * (c.kv_lora_rank * 2 + c.qk_rope_head_dim * 4)
-
-
 def time_reprefill(model, downstream: int, repeats: int) -> float:
     c = model.config
     rng = np.random.default_rng(1)
     tail = rng.integers(0, c.vocab_size, STUB + downstream)
     times = []
-    for i in range(repeats + 1):
+    for _ in range(repeats + 1):
         state = ll.init_state(
             c,
             num_pages=(PREFIX + STUB + downstream) // PAGE + 4,
@@ -333,25 +304,23 @@ def time_reprefill(model, downstream: int, repeats: int) -> float:
         )
         state, _ = ll.prefill(model, state, 0, rng.integers(0, c.vocab_size, PREFIX))
         state = jax.block_until_ready(state)
-        t0 = time.perf_counter()
-        state, logits = ll.prefill(model, state, 0, tail)
-        jax.block_until_ready(logits)
-        if i:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        times.append(harness.timed(lambda s=state: ll.prefill(model, s, 0, tail)))
+    return statistics.median(times[1:])  # the first run compiles
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", default="512,2048,8192,32768")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--layers", type=int, default=BENCH_HF_CONFIG["num_hidden_layers"])
+    ap.add_argument("--layers", type=int, default=harness.BENCH_HF_CONFIG["num_hidden_layers"])
     ap.add_argument("--out", default=None)
     ap.add_argument(
         "--splice-only", action="store_true", help="time the move+rotate pass alone (no model)"
     )
     args = ap.parse_args(argv)
-    cfg = dict(BENCH_HF_CONFIG, num_hidden_layers=args.layers, first_k_dense_replace=args.layers)
+    cfg = dict(
+        harness.BENCH_HF_CONFIG, num_hidden_layers=args.layers, first_k_dense_replace=args.layers
+    )
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}")
     if args.splice_only:
         rows = splice_only(args, cfg)
@@ -363,13 +332,13 @@ def main(argv=None) -> None:
 
 
 def amortize_vs_forget(args, cfg: dict) -> list[dict]:
-    bw = measure_copy_bandwidth()
+    bw = harness.copy_bandwidth()["inplace_bytes_s"]
     print(f"machine: copy bandwidth {bw / 1e9:.1f} GB/s (in place, read + write)")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         model = ll.load_model(write_random_checkpoint(os.path.join(tmp, "bench"), cfg))
         for d in (int(x) for x in args.lengths.split(",")):
-            floor = d * _bytes_per_token(model.config) * 2 / bw
+            floor = d * kv_bytes_per_token(model.config) * 2 / bw
             splice = time_splice_only(model, d, args.repeats)
             amortize = time_amortize(model, d, args.repeats)
             forget = time_reprefill(model, d, 1 if d >= 8192 else args.repeats)

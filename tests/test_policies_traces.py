@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from serve import policies, traces
+from benchmarks import traces
+from serve import policies
 from serve.policies import STUB, ClearToolUses, Truncate
 
 

@@ -9,8 +9,8 @@ import json
 
 import pytest
 
+from benchmarks import traces
 from checkpoints.tiny import ensure_default_checkpoints
-from serve import traces
 from serve.chat import (
     CHATML,
     DEEPSEEK,

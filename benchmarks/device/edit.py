@@ -22,10 +22,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import leyline_jax as ll
+from benchmarks import harness
 from benchmarks.device import measure, report
 from benchmarks.device.model import finite
 from benchmarks.device.shapes import sizes
 from benchmarks.device.splice import splice_impl
+from leyline_jax.allocator import pages_for
 from leyline_jax.loader import config_from_hf
 
 
@@ -34,14 +36,9 @@ def run_arm(model, state, directive, runs: int) -> tuple:
     out = []
     for _ in range(runs):
         state = ll.fork(state, 0, 1)
-        box = {}
-
-        def apply(state=state, box=box):
-            box["state"] = ll.apply_directive(model, state, 1, directive)
-            return box["state"].pools
-
-        out.append(measure.timed(apply))
-        state = ll.free(box["state"], 1)
+        state, dt = harness.clocked(lambda s=state: ll.apply_directive(model, s, 1, directive))
+        out.append(dt)
+        state = ll.free(state, 1)
     return state, out
 
 
@@ -71,16 +68,14 @@ def main(argv=None) -> None:
         )
         model = measure.random_model(config, jnp.bfloat16)
         ps, top = sz.page_size, sz.edit_prefix + sz.edit_span + max(sz.edit_downstream)
-        pages = -(-top // ps) + -(-(sz.edit_stub + max(sz.edit_downstream)) // ps) + 4
+        held, fresh = pages_for(top, ps), pages_for(sz.edit_stub + max(sz.edit_downstream), ps)
+        pages, seq_len = held + fresh + 4, (held + 1) * ps
         state = ll.init_state(
-            config, num_pages=pages, page_size=ps, max_seqs=2, max_seq_len=(-(-top // ps) + 1) * ps
+            config, num_pages=pages, page_size=ps, max_seqs=2, max_seq_len=seq_len
         )
         rng = np.random.default_rng(0)
         stub = rng.integers(0, config.vocab_size, sz.edit_stub).tolist()
-        for i, d in enumerate(sz.edit_downstream):
-            if part.out_of_time():
-                part.skip(f"downstream={d}: out of time")
-                continue
+        for i, d in enumerate(part.each(sz.edit_downstream, "downstream={}")):
             tokens = rng.integers(0, config.vocab_size, sz.edit_prefix + sz.edit_span + d)
             state, logits = ll.prefill(model, state, 0, tokens)
             finite(logits)

@@ -50,6 +50,60 @@ def build(hf_config: dict, device):
     return model.to(device).eval()
 
 
+class Runs:
+    """Timed forwards of `model` on random token ids, each until the device is synchronised."""
+
+    def __init__(self, model, sz, device, cuda: bool):
+        self.model, self.sz, self.device, self.cuda = model, sz, device, cuda
+        self.rng = np.random.default_rng(0)
+        # transformers renamed the cache argument (`past_key_values` -> `cache`) after 5.17
+        params = inspect.signature(model.forward).parameters
+        self.cache_arg = "cache" if "cache" in params else "past_key_values"
+
+    def tokens(self, *shape):
+        import torch
+
+        ids = self.rng.integers(0, self.sz.hf["vocab_size"], shape)
+        return torch.as_tensor(ids, device=self.device)
+
+    def timed(self, fn) -> tuple[float, object]:
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = fn()
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0, out
+
+    def forward(self, ids, cache=None):
+        kw = {self.cache_arg: cache} if cache is not None else {}
+        out = self.model(ids, use_cache=True, logits_to_keep=1, **kw)
+        return out, out["cache"] if "cache" in out else out["past_key_values"]
+
+    def decode(self, c: int) -> list[float]:
+        """Seconds of each timed step of c sequences of `decode_context` tokens (after the
+        warm-up steps)."""
+        sz = self.sz
+        _, cache = self.forward(self.tokens(c, sz.decode_context))
+        step, samples = self.tokens(c, 1), []
+        for _ in range(sz.decode_warmup + sz.decode_steps):
+            dt, (_, cache) = self.timed(lambda cache=cache: self.forward(step, cache))
+            samples.append(dt)
+        return samples[sz.decode_warmup :]
+
+    def prefill(self, t: int) -> list[float]:
+        """Seconds of each timed forward of t tokens (after one warm-up)."""
+        prompt = self.tokens(1, t)
+        return [self.timed(lambda: self.forward(prompt))[0] for _ in range(1 + self.sz.repeats)][1:]
+
+
+def row(kind: str, size: int, samples: list[float]) -> dict:
+    med = statistics.median(samples)
+    return dict(kind=kind, size=size, time_s=med, tok_s=size / med, samples_s=samples)
+
+
 def main(argv=None) -> None:
     args = report.parser(__doc__.splitlines()[0]).parse_args(argv)
     sz = sizes(args.smoke)
@@ -60,15 +114,7 @@ def main(argv=None) -> None:
         device = torch.device("cuda" if cuda else "cpu")
         if not cuda:
             torch.set_num_threads(os.cpu_count() or 1)
-
-        def sync():
-            if cuda:
-                torch.cuda.synchronize()
-
         model = build(sz.hf, device)
-        # transformers renamed the cache argument (`past_key_values` -> `cache`) after 5.17
-        params = inspect.signature(model.forward).parameters
-        cache_arg = "cache" if "cache" in params else "past_key_values"
         part.set(
             device=dict(
                 torch_device=str(next(model.parameters()).device),
@@ -84,59 +130,12 @@ def main(argv=None) -> None:
                 decode_context=sz.decode_context,
             ),
         )
-        rng = np.random.default_rng(0)
-        vocab = sz.hf["vocab_size"]
-
-        def tokens(*shape):
-            return torch.as_tensor(rng.integers(0, vocab, shape), device=device)
-
-        def timed(fn) -> tuple[float, object]:
-            sync()
-            t0 = time.perf_counter()
-            out = fn()
-            sync()
-            return time.perf_counter() - t0, out
-
-        def forward(ids, cache=None):
-            kw = {cache_arg: cache} if cache is not None else {}
-            return model(ids, use_cache=True, logits_to_keep=1, **kw)
-
-        def cache_of(out):
-            return out["cache"] if "cache" in out else out["past_key_values"]
-
+        runs = Runs(model, sz, device, cuda)
         with torch.inference_mode():
-            for c in sz.decode_batches:
-                if part.out_of_time():
-                    part.skip(f"decode {c}: out of time")
-                    continue
-                cache = cache_of(forward(tokens(c, sz.decode_context)))
-                step = tokens(c, 1)
-                samples = []
-                for _ in range(sz.decode_warmup + sz.decode_steps):
-                    dt, out = timed(lambda cache=cache, step=step: forward(step, cache))
-                    cache = cache_of(out)
-                    samples.append(dt)
-                med = statistics.median(samples[sz.decode_warmup :])
-                part.add(
-                    dict(
-                        kind="decode",
-                        size=c,
-                        time_s=med,
-                        tok_s=c / med,
-                        samples_s=samples[sz.decode_warmup :],
-                    )
-                )
-                del cache, out
-            for t in sz.prefill_lengths:
-                if part.out_of_time():
-                    part.skip(f"prefill {t}: out of time")
-                    continue
-                prompt = tokens(1, t)
-                samples = [timed(lambda p=prompt: forward(p))[0] for _ in range(1 + sz.repeats)]
-                med = statistics.median(samples[1:])
-                part.add(
-                    dict(kind="prefill", size=t, time_s=med, tok_s=t / med, samples_s=samples[1:])
-                )
+            for c in part.each(sz.decode_batches, "decode {}"):
+                part.add(row("decode", c, runs.decode(c)))
+            for t in part.each(sz.prefill_lengths, "prefill {}"):
+                part.add(row("prefill", t, runs.prefill(t)))
 
 
 if __name__ == "__main__":

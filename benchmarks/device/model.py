@@ -33,9 +33,11 @@ import numpy as np
 from flax import nnx
 
 import leyline_jax as ll
+from benchmarks import harness
 from benchmarks.device import floors, measure, report
 from benchmarks.device.shapes import sizes
 from leyline_jax import paged
+from leyline_jax.allocator import pages_for
 from leyline_jax.loader import config_from_hf
 
 
@@ -59,6 +61,81 @@ def finite(logits) -> None:
         raise FloatingPointError("the random model's logits are not finite")
 
 
+def describe(part: report.Part, model, sz, flop_s: float, bytes_s: float) -> None:
+    """The part's rates, device and model (checked: the floors count this model's parameters)."""
+    config = model.config
+    counted = floors.Params.of(config).total
+    held = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    if counted != held:  # the floors would count a model other than this one
+        raise AssertionError(f"floors count {counted} parameters, the model holds {held}")
+    part.set(
+        device=measure.device_info(),
+        peaks=dict(bf16_matmul_flop_s=flop_s, copy_bytes_s=bytes_s),
+        config=dict(
+            layers=config.num_hidden_layers,
+            params=held,
+            hidden=config.hidden_size,
+            experts=config.n_routed_experts,
+            experts_per_token=config.num_experts_per_tok,
+            vocab=config.vocab_size,
+            weights="bfloat16",
+            page_size=sz.page_size,
+            decode_context=sz.decode_context,
+        ),
+    )
+
+
+class Runs:
+    """The timed runs, on one paged state for all of them (page tables as wide as the longest
+    prompt), so that every run meets the same compiled shapes."""
+
+    def __init__(self, model, sz):
+        self.model, self.sz, self.graph = model, sz, nnx.split(model)
+        self.rng = np.random.default_rng(0)
+        ps, top, batch = sz.page_size, max(sz.prefill_lengths), max(sz.decode_batches)
+        longest = sz.decode_context + sz.decode_warmup + sz.decode_steps
+        self.state = ll.init_state(
+            model.config,
+            num_pages=max(pages_for(top, ps), batch * pages_for(longest, ps)) + 4,
+            page_size=ps,
+            max_seqs=batch,
+            max_seq_len=max(top, longest),
+        )
+
+    def decode(self, c: int) -> float:
+        """Median seconds of a decode step of c sequences of `decode_context` tokens each."""
+        sz, seqs, step = self.sz, list(range(c)), [1] * c
+        for s in seqs:
+            ctx = self.rng.integers(0, self.model.config.vocab_size, sz.decode_context)
+            self.state, _ = ll.prefill(self.model, self.state, s, ctx)
+
+        def run():
+            self.state, logits = paged.decode(self.model, self.state, seqs, step, graph=self.graph)
+            return logits
+
+        samples = []
+        for _ in range(sz.decode_warmup + sz.decode_steps):
+            logits, dt = harness.clocked(run)
+            samples.append(dt)
+        finite(logits)
+        for s in seqs:
+            self.state = ll.free(self.state, s)
+        return statistics.median(samples[sz.decode_warmup :])
+
+    def prefill(self, t: int) -> float:
+        """Median seconds of prefilling t tokens into an empty sequence (after one warm-up)."""
+        prompt = self.rng.integers(0, self.model.config.vocab_size, t)
+        samples = []
+        for _ in range(1 + self.sz.repeats):  # the first compiles
+            (self.state, logits), dt = harness.clocked(
+                lambda: ll.prefill(self.model, self.state, 0, prompt)
+            )
+            samples.append(dt)
+            self.state = ll.free(self.state, 0)
+        finite(logits)
+        return statistics.median(samples[1:])
+
+
 def main(argv=None) -> None:
     ap = report.parser(__doc__.splitlines()[0])
     ap.add_argument("--hf", default=None, help="the Hugging Face part's JSON")
@@ -66,45 +143,15 @@ def main(argv=None) -> None:
     sz = sizes(args.smoke)
     with report.Part("model", args) as part:
         config = config_from_hf(sz.hf)
-        flop_s = measure.matmul_rate(sz.matmul_n)
-        bytes_s = measure.copy_bandwidth(sz.copy_bytes)["bytes_s"]
+        flop_s = harness.matmul_rate(sz.matmul_n, jnp.bfloat16, iters=5)
+        bytes_s = harness.copy_bandwidth(sz.copy_bytes, iters=10, fresh=True)["bytes_s"]
         model = measure.random_model(config, jnp.bfloat16)
-        counted = floors.Params.of(config).total
-        held = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-        if counted != held:  # the floors would count a model other than this one
-            raise AssertionError(f"floors count {counted} parameters, the model holds {held}")
-        part.set(
-            device=measure.device_info(),
-            peaks=dict(bf16_matmul_flop_s=flop_s, copy_bytes_s=bytes_s),
-            config=dict(
-                layers=config.num_hidden_layers,
-                params=held,
-                hidden=config.hidden_size,
-                experts=config.n_routed_experts,
-                experts_per_token=config.num_experts_per_tok,
-                vocab=config.vocab_size,
-                weights="bfloat16",
-                page_size=sz.page_size,
-                decode_context=sz.decode_context,
-            ),
-        )
+        describe(part, model, sz, flop_s, bytes_s)
         hf, hf_note = hf_rows(args.hf, config.num_hidden_layers)
         part.set(hf_note=hf_note or None)
-        ps, top = sz.page_size, max(sz.prefill_lengths)
-        per_seq = -(-(sz.decode_context + sz.decode_warmup + sz.decode_steps) // ps)
-        state = ll.init_state(
-            config,
-            num_pages=max(-(-top // ps), max(sz.decode_batches) * per_seq) + 4,
-            page_size=ps,
-            max_seqs=max(sz.decode_batches),
-            max_seq_len=max(top, sz.decode_context + sz.decode_warmup + sz.decode_steps),
-        )
-        rng = np.random.default_rng(0)
-        box = {"state": state}
 
         def row(kind: str, size: int, ours: float, cost: tuple) -> None:
-            floor = floors.floor_s(cost, flop_s, bytes_s)
-            theirs = hf.get((kind, size))
+            floor, theirs = floors.floor_s(cost, flop_s, bytes_s), hf.get((kind, size))
             part.add(
                 dict(
                     kind=kind,
@@ -120,47 +167,12 @@ def main(argv=None) -> None:
                 )
             )
 
-        graph = nnx.split(model)
-        for c in sz.decode_batches:
-            if part.out_of_time():
-                part.skip(f"decode {c}: out of time")
-                continue
-            seqs = list(range(c))
-            for s in seqs:
-                ctx = rng.integers(0, config.vocab_size, sz.decode_context)
-                box["state"], _ = ll.prefill(model, box["state"], s, ctx)
-            step = [1] * c
-
-            def run_decode(seqs=seqs, step=step):
-                box["state"], box["logits"] = paged.decode(
-                    model, box["state"], seqs, step, graph=graph
-                )
-                return box["logits"]
-
-            samples = [measure.timed(run_decode) for _ in range(sz.decode_warmup + sz.decode_steps)]
-            finite(box["logits"])
-            for s in seqs:
-                box["state"] = ll.free(box["state"], s)
-            context = sz.decode_context + sz.decode_warmup + sz.decode_steps // 2
-            ours = statistics.median(samples[sz.decode_warmup :])
-            row("decode", c, ours, floors.decode_cost(config, c, context))
-
-        for t in sz.prefill_lengths:
-            if part.out_of_time():
-                part.skip(f"prefill {t}: out of time")
-                continue
-            prompt = rng.integers(0, config.vocab_size, t)
-
-            def run_prefill(prompt=prompt):
-                box["state"], box["logits"] = ll.prefill(model, box["state"], 0, prompt)
-                return box["logits"]
-
-            samples = []
-            for _ in range(1 + sz.repeats):  # the first compiles
-                samples.append(measure.timed(run_prefill))
-                box["state"] = ll.free(box["state"], 0)
-            finite(box["logits"])
-            row("prefill", t, statistics.median(samples[1:]), floors.prefill_cost(config, t))
+        runs = Runs(model, sz)
+        context = sz.decode_context + sz.decode_warmup + sz.decode_steps // 2
+        for c in part.each(sz.decode_batches, "decode {}"):
+            row("decode", c, runs.decode(c), floors.decode_cost(config, c, context))
+        for t in part.each(sz.prefill_lengths, "prefill {}"):
+            row("prefill", t, runs.prefill(t), floors.prefill_cost(config, t))
 
 
 if __name__ == "__main__":

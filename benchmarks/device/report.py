@@ -85,6 +85,15 @@ class Part:
         in the smoke, which exists to run every row (its timeout still stops a hang)."""
         return not self.smoke and self.elapsed() > fraction * self.budget
 
+    def each(self, sizes, what: str):
+        """The sizes still in time (`out_of_time`), in order; each one past it is skipped,
+        named by `what.format(size)`."""
+        for size in sizes:
+            if self.out_of_time():
+                self.skip(f"{what.format(size)}: out of time")
+                continue
+            yield size
+
     def set(self, **fields) -> None:
         self.data.update(fields)
         self.write()

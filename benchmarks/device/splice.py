@@ -23,9 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 
 import leyline_jax as ll
+from benchmarks import harness
 from benchmarks.device import measure, report
 from benchmarks.device.floors import kv_bytes_per_token
 from benchmarks.device.shapes import sizes
+from leyline_jax.allocator import pages_for
 from leyline_jax.loader import config_from_hf
 from leyline_jax.splice import splice_pools
 from pallas_kernels.dispatch import resolve
@@ -35,7 +37,7 @@ from pallas_kernels.splice_rotate import TARGETS, Runs, phase_table, plan_runs
 def plan(d: int, prefix: int, span: int, stub: int, ps: int, pages: int) -> Runs:
     """The runs of moving one sequence's d downstream tokens from positions prefix + span + i
     to prefix + stub + i, from its pages to fresh ones, both drawn at random from `pages`."""
-    old = -(-(prefix + span + d) // ps)
+    old = pages_for(prefix + span + d, ps)
     first = prefix // ps  # the first page the edit changes: fresh pages replace it on
     order = np.random.default_rng(0).permutation(pages)
     table, fresh = order[:old], order[old : old + old - first]
@@ -57,7 +59,7 @@ def time_splice(config, sz, d: int, iters: int) -> tuple[list, int]:
     """(seconds per splice of d downstream tokens, samples; runs per splice), on fresh pools
     sized for it."""
     ps = sz.page_size
-    pages = 2 * (-(-(sz.edit_prefix + sz.edit_span + d) // ps) + 1)
+    pages = 2 * (pages_for(sz.edit_prefix + sz.edit_span + d, ps) + 1)
     state = ll.init_state(config, num_pages=pages, page_size=ps, max_seqs=1, max_seq_len=pages * ps)
     runs = plan(d, sz.edit_prefix, sz.edit_span, sz.edit_stub, ps, pages)
     device_runs = Runs(*(jnp.asarray(a) for a in runs))
@@ -69,7 +71,7 @@ def time_splice(config, sz, d: int, iters: int) -> tuple[list, int]:
         box["pools"] = splice_pools(box["pools"], device_runs, inv, table, impl=None)
         return box["pools"].rotated[-1]
 
-    return measure.times(run, repeats=5, iters=iters), len(runs.src)
+    return harness.times(run, repeats=5, iters=iters), len(runs.src)
 
 
 def main(argv=None) -> None:
@@ -77,7 +79,7 @@ def main(argv=None) -> None:
     sz = sizes(args.smoke)
     with report.Part("splice", args) as part:
         config = config_from_hf(sz.hf)
-        bw = measure.copy_bandwidth(sz.copy_bytes)
+        bw = harness.copy_bandwidth(sz.copy_bytes, iters=10, fresh=True)
         device = measure.device_info()
         part.set(
             device=device,
@@ -93,10 +95,7 @@ def main(argv=None) -> None:
             ),
         )
         spec = (device["spec_peaks"] or {}).get("hbm_bytes_s")
-        for d in sz.splice_downstream:
-            if part.out_of_time():
-                part.skip(f"downstream={d}: out of time")
-                continue
+        for d in part.each(sz.splice_downstream, "downstream={}"):
             samples, runs = time_splice(config, sz, d, iters=3 if args.smoke else 10)
             t = statistics.median(samples)
             nbytes = d * kv_bytes_per_token(config) * 2

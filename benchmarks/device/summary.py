@@ -76,32 +76,23 @@ def part_status(out: str, name: str, code: int, wall: float) -> tuple[dict, dict
     return entry, data
 
 
+def _target(text: str, value, at_least: float) -> dict:
+    return dict(target=text, value=value, met=value is not None and value >= at_least)
+
+
 def targets(parts: dict) -> list[dict]:
     """The issue's two targets, read off the largest size each part measured."""
     out = []
     splice = parts.get("splice")
     if splice and splice["rows"]:
         r = max(splice["rows"], key=lambda r: r["downstream"])
-        value = r["fraction_of_copy_bw"]
-        out.append(
-            dict(
-                target=f"splice bandwidth >= 0.7 x copy bandwidth (D = {r['downstream']})",
-                value=value,
-                met=value is not None and value >= 0.7,
-            )
-        )
-    model = parts.get("model")
-    decode = [r for r in (model or {}).get("rows", []) if r["kind"] == "decode"]
+        text = f"splice bandwidth >= 0.7 x copy bandwidth (D = {r['downstream']})"
+        out.append(_target(text, r["fraction_of_copy_bw"], 0.7))
+    decode = [r for r in parts.get("model", {}).get("rows", []) if r["kind"] == "decode"]
     if decode:
         r = max(decode, key=lambda r: r["size"])
-        value = r["speedup_vs_hf"]
-        out.append(
-            dict(
-                target=f"decode tokens/s >= 3 x Hugging Face (C = {r['size']})",
-                value=value,
-                met=value is not None and value >= 3.0,
-            )
-        )
+        text = f"decode tokens/s >= 3 x Hugging Face (C = {r['size']})"
+        out.append(_target(text, r["speedup_vs_hf"], 3.0))
     return out
 
 

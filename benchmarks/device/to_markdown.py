@@ -13,6 +13,8 @@ import argparse
 import json
 import os
 
+from benchmarks.harness import table
+
 
 def _load(out: str, name: str) -> dict | None:
     path = os.path.join(out, f"{name}.json")
@@ -30,23 +32,16 @@ def _ms(s) -> str:
     return "—" if s is None else f"{s * 1e3:.3g} ms"
 
 
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    align = ["---" if i == 0 else "---:" for i in range(len(header))]
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
-    return lines + ["| " + " | ".join(r) + " |" for r in rows]
-
-
-def render(out: str) -> str:
-    summary = _load(out, "summary") or {}
+def _header(summary: dict) -> list[str]:
     env = summary.get("environment", {})
-    device = env.get("device") or {}
-    git = summary.get("git") or {}
-    lines = [
+    device, git = env.get("device") or {}, summary.get("git") or {}
+    packages = env.get("packages", {})
+    return [
         f"Device suite ({'smoke, ' if summary.get('smoke') else ''}"
         f"{device.get('device_kind', '?')}, {summary.get('date', '?')}, "
         f"commit {(git.get('commit') or '?')[:7]}{' + changes' if git.get('dirty') else ''}, "
-        f"jax {env.get('packages', {}).get('jax')}, torch {env.get('packages', {}).get('torch')}, "
-        f"transformers {env.get('packages', {}).get('transformers')}). Command: "
+        f"jax {packages.get('jax')}, torch {packages.get('torch')}, "
+        f"transformers {packages.get('transformers')}). Command: "
         f"`benchmarks/device/run.sh OUTDIR`.",
         "",
         "Parts: "
@@ -57,123 +52,117 @@ def render(out: str) -> str:
         + ".",
     ]
 
+
+def _kernels(kernels: dict) -> list[str]:
+    c = kernels["counts"]
+    return [
+        "",
+        f"Compiled-kernel tests (`pytest -m accelerator` over "
+        f"{', '.join(kernels['files']) or 'no file'}): {c['passed']} passed, "
+        f"{c['failed']} failed, {c['skipped']} skipped, {c['error']} errors.",
+    ]
+
+
+def _splice(splice: dict) -> list[str]:
+    cfg, bw = splice["config"], splice["copy_bandwidth"]
+    header = ["downstream", "runs", "time", "bytes", "GB/s", "of copy bw", "of spec HBM"]
+    rows = [
+        [
+            str(r["downstream"]),
+            str(r["runs"]),
+            _ms(r["splice_s"]),
+            f"{r['bytes'] / 1e6:.0f} MB",
+            _num(r["bytes_s"] / 1e9, ".0f"),
+            _num(r["fraction_of_copy_bw"], ".0%"),
+            _num(r["fraction_of_spec_bw"], ".0%"),
+        ]
+        for r in splice["rows"]
+    ]
+    return [
+        "",
+        f"Splice pass (`splice_rotate`, impl `{splice['impl']}`, kernel "
+        f"`{splice['kernel']}`; {cfg['layers']} layers, "
+        f"c_kv {cfg['kv_lora_rank']} bf16 + k_pe {cfg['qk_rope_head_dim']} fp32, page "
+        f"{cfg['page_size']}); copy bandwidth measured in the same run: "
+        f"{bw['bytes_s'] / 1e9:.0f} GB/s (read + write).",
+        "",
+        *table(header, rows),
+    ]
+
+
+def _edit(edit: dict) -> list[str]:
+    cfg = edit["config"]
+    note = f" ({cfg['layers_note']})" if cfg.get("layers_note") else ""
+    rows = [
+        [
+            str(r["downstream"]),
+            _ms(r["amortize_s"]),
+            _ms(r["forget_s"]),
+            _num(r["forget_over_amortize"], ".3g", "x"),
+        ]
+        for r in edit["rows"]
+    ]
+    return [
+        "",
+        f"AMORTIZE vs FORGET (`apply_directive`; {cfg['layers']} of "
+        f"{cfg['full_layers']} layers{note}; prefix {cfg['prefix']}, span {cfg['span']} -> "
+        f"stub {cfg['stub']}; splice impl `{edit['splice']['impl']}`):",
+        "",
+        *table(["downstream", "AMORTIZE", "FORGET", "FORGET / AMORTIZE"], rows),
+    ]
+
+
+def _model(model: dict, hf: dict | None) -> list[str]:
+    cfg, peaks = model["config"], model["peaks"]
+    hf_cfg, hf_dev = (hf or {}).get("config", {}), (hf or {}).get("device", {})
+    header = ["kind", "size", "ours tok/s", "HF tok/s", "floor tok/s", "ours / HF", "time / floor"]
+    rows = [
+        [
+            r["kind"],
+            str(r["size"]),
+            _num(r["ours_tok_s"], ".4g"),
+            _num(r["hf_tok_s"], ".4g"),
+            _num(r["floor_tok_s"], ".4g"),
+            _num(r["speedup_vs_hf"], ".2f"),
+            _num(r["ours_over_floor"], ".1f"),
+        ]
+        for r in sorted(model["rows"], key=lambda r: (r["kind"] != "prefill", r["size"]))
+    ]
+    return [
+        "",
+        f"Model: {cfg['layers']} layers, {cfg['params'] / 1e9:.3g}B params, "
+        f"random {cfg['weights']} weights; decode at {cfg['decode_context']} tokens of "
+        f"context. Floor = max(flops / {peaks['bf16_matmul_flop_s'] / 1e12:.3g} TFLOP/s, "
+        f"bytes / {peaks['copy_bytes_s'] / 1e12:.3g} TB/s), both measured in the same run. "
+        f"HF: transformers {hf_dev.get('transformers', '?')} on {hf_dev.get('name', '?')}, "
+        f"attention `{hf_cfg.get('attn_implementation')}`, experts "
+        f"`{hf_cfg.get('experts_implementation')}`"
+        + (f" ({model['hf_note']})" if model.get("hf_note") else "")
+        + ".",
+        "",
+        *table(header, rows),
+    ]
+
+
+def render(out: str) -> str:
+    summary = _load(out, "summary") or {}
+    lines = _header(summary)
     kernels = _load(out, "kernels")
     if kernels and "counts" in kernels:
-        c = kernels["counts"]
-        lines += [
-            "",
-            f"Compiled-kernel tests (`pytest -m accelerator` over "
-            f"{', '.join(kernels['files']) or 'no file'}): {c['passed']} passed, "
-            f"{c['failed']} failed, {c['skipped']} skipped, "
-            f"{c['error']} errors.",
-        ]
-
-    splice = _load(out, "splice")
-    if splice and splice.get("rows"):
-        cfg, bw = splice["config"], splice["copy_bandwidth"]
-        lines += [
-            "",
-            f"Splice pass (`splice_rotate`, impl `{splice['impl']}`, kernel "
-            f"`{splice['kernel']}`; {cfg['layers']} layers, "
-            f"c_kv {cfg['kv_lora_rank']} bf16 + k_pe {cfg['qk_rope_head_dim']} fp32, page "
-            f"{cfg['page_size']}); copy bandwidth measured in the same run: "
-            f"{bw['bytes_s'] / 1e9:.0f} GB/s (read + write).",
-            "",
-            *_table(
-                ["downstream", "runs", "time", "bytes", "GB/s", "of copy bw", "of spec HBM"],
-                [
-                    [
-                        str(r["downstream"]),
-                        str(r["runs"]),
-                        _ms(r["splice_s"]),
-                        f"{r['bytes'] / 1e6:.0f} MB",
-                        _num(r["bytes_s"] / 1e9, ".0f"),
-                        _num(r["fraction_of_copy_bw"], ".0%"),
-                        _num(r["fraction_of_spec_bw"], ".0%"),
-                    ]
-                    for r in splice["rows"]
-                ],
-            ),
-        ]
-
-    edit = _load(out, "edit")
-    if edit and edit.get("rows"):
-        cfg = edit["config"]
-        note = f" ({cfg['layers_note']})" if cfg.get("layers_note") else ""
-        lines += [
-            "",
-            f"AMORTIZE vs FORGET (`apply_directive`; {cfg['layers']} of "
-            f"{cfg['full_layers']} layers{note}; prefix {cfg['prefix']}, span {cfg['span']} -> "
-            f"stub {cfg['stub']}; splice impl `{edit['splice']['impl']}`):",
-            "",
-            *_table(
-                ["downstream", "AMORTIZE", "FORGET", "FORGET / AMORTIZE"],
-                [
-                    [
-                        str(r["downstream"]),
-                        _ms(r["amortize_s"]),
-                        _ms(r["forget_s"]),
-                        _num(r["forget_over_amortize"], ".3g", "x"),
-                    ]
-                    for r in edit["rows"]
-                ],
-            ),
-        ]
-
-    model, hf = _load(out, "model"), _load(out, "hf")
+        lines += _kernels(kernels)
+    for name, section in (("splice", _splice), ("edit", _edit)):
+        part = _load(out, name)
+        if part and part.get("rows"):
+            lines += section(part)
+    model = _load(out, "model")
     if model and model.get("rows"):
-        cfg, peaks = model["config"], model["peaks"]
-        hf_cfg = (hf or {}).get("config", {})
-        hf_dev = (hf or {}).get("device", {})
-        rows = sorted(model["rows"], key=lambda r: (r["kind"] != "prefill", r["size"]))
-        lines += [
-            "",
-            f"Model: {cfg['layers']} layers, {cfg['params'] / 1e9:.3g}B params, "
-            f"random {cfg['weights']} weights; decode at {cfg['decode_context']} tokens of "
-            f"context. Floor = max(flops / {peaks['bf16_matmul_flop_s'] / 1e12:.3g} TFLOP/s, "
-            f"bytes / {peaks['copy_bytes_s'] / 1e12:.3g} TB/s), both measured in the same run. "
-            f"HF: transformers {hf_dev.get('transformers', '?')} on {hf_dev.get('name', '?')}, "
-            f"attention `{hf_cfg.get('attn_implementation')}`, experts "
-            f"`{hf_cfg.get('experts_implementation')}`"
-            + (f" ({model['hf_note']})" if model.get("hf_note") else "")
-            + ".",
-            "",
-            *_table(
-                [
-                    "kind",
-                    "size",
-                    "ours tok/s",
-                    "HF tok/s",
-                    "floor tok/s",
-                    "ours / HF",
-                    "time / floor",
-                ],
-                [
-                    [
-                        r["kind"],
-                        str(r["size"]),
-                        _num(r["ours_tok_s"], ".4g"),
-                        _num(r["hf_tok_s"], ".4g"),
-                        _num(r["floor_tok_s"], ".4g"),
-                        _num(r["speedup_vs_hf"], ".2f"),
-                        _num(r["ours_over_floor"], ".1f"),
-                    ]
-                    for r in rows
-                ],
-            ),
-        ]
-
+        lines += _model(model, _load(out, "hf"))
     if summary.get("targets"):
-        lines += [
-            "",
-            *_table(
-                ["target", "measured", "met"],
-                [
-                    [t["target"], _num(t["value"], ".2f"), "yes" if t["met"] else "**no**"]
-                    for t in summary["targets"]
-                ],
-            ),
+        rows = [
+            [t["target"], _num(t["value"], ".2f"), "yes" if t["met"] else "**no**"]
+            for t in summary["targets"]
         ]
+        lines += ["", *table(["target", "measured", "met"], rows)]
     return "\n".join(lines) + "\n"
 
 

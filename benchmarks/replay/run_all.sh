@@ -11,14 +11,14 @@ mkdir -p .bench
 if [ "$(cat /proc/sys/vm/max_map_count 2>/dev/null || echo 0)" -lt 262144 ]; then
     echo "warning: vm.max_map_count < 262144; raise it (sysctl -w vm.max_map_count=262144)" >&2
 fi
-[ -f .bench/synthetic.jsonl ] || $PY -m serve.traces --sessions 16 --turns 6 --tool-words 900 --seed 0 --out .bench/synthetic.jsonl
-[ -f .bench/bfcl_long.jsonl ] || $PY -m serve.traces --bfcl long_context --out .bench/bfcl_long.jsonl
-[ -f .bench/bfcl_base.jsonl ] || $PY -m serve.traces --bfcl base --out .bench/bfcl_base.jsonl
+[ -f .bench/synthetic.jsonl ] || $PY -m benchmarks.traces --sessions 16 --turns 6 --tool-words 900 --seed 0 --out .bench/synthetic.jsonl
+[ -f .bench/bfcl_long.jsonl ] || $PY -m benchmarks.traces --bfcl long_context --out .bench/bfcl_long.jsonl
+[ -f .bench/bfcl_base.jsonl ] || $PY -m benchmarks.traces --bfcl base --out .bench/bfcl_base.jsonl
 run() {  # name trace-file [extra args]
     local name=$1 file=$2; shift 2
-    $PY -m serve.replay --traces "$file" --arms radix,amortize,forget --concurrency 1,4,8,16 \
+    $PY -m benchmarks.replay --traces "$file" --arms radix,amortize,forget --concurrency 1,4,8,16 \
         --compile-cache .jax_cache "$@" --policy truncate --keep 2 --out "benchmarks/replay/${name}_truncate2"
-    $PY -m serve.replay --traces "$file" --arms radix,amortize,forget --concurrency 1,4,8,16 \
+    $PY -m benchmarks.replay --traces "$file" --arms radix,amortize,forget --concurrency 1,4,8,16 \
         --compile-cache .jax_cache "$@" --out "benchmarks/replay/${name}_none"
 }
 sets=${SETS:-synthetic bfcl_long bfcl_base}

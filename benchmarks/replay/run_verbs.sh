@@ -8,31 +8,31 @@
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
 mkdir -p .bench
-[ -f .bench/synthetic_reasoning.jsonl ] || $PY -m serve.traces --sessions 16 --turns 6 --tool-words 900 --seed 0 --reasoning-words 200 --out .bench/synthetic_reasoning.jsonl
-[ -f .bench/bfcl_base_reasoning.jsonl ] || $PY -m serve.traces --bfcl base --reasoning-words 200 --out .bench/bfcl_base_reasoning.jsonl
-[ -f .bench/synthetic.jsonl ] || $PY -m serve.traces --sessions 16 --turns 6 --tool-words 900 --seed 0 --out .bench/synthetic.jsonl
-[ -f .bench/bfcl_long.jsonl ] || $PY -m serve.traces --bfcl long_context --out .bench/bfcl_long.jsonl
+[ -f .bench/synthetic_reasoning.jsonl ] || $PY -m benchmarks.traces --sessions 16 --turns 6 --tool-words 900 --seed 0 --reasoning-words 200 --out .bench/synthetic_reasoning.jsonl
+[ -f .bench/bfcl_base_reasoning.jsonl ] || $PY -m benchmarks.traces --bfcl base --reasoning-words 200 --out .bench/bfcl_base_reasoning.jsonl
+[ -f .bench/synthetic.jsonl ] || $PY -m benchmarks.traces --sessions 16 --turns 6 --tool-words 900 --seed 0 --out .bench/synthetic.jsonl
+[ -f .bench/bfcl_long.jsonl ] || $PY -m benchmarks.traces --bfcl long_context --out .bench/bfcl_long.jsonl
 common=(--concurrency 1,4 --compile-cache .jax_cache)
 sets=${SETS:-scratch move interleaved}
 for s in $sets; do
     case $s in
         scratch)
-            $PY -m serve.replay --traces .bench/synthetic_reasoning.jsonl --arms radix,amortize,scratch \
+            $PY -m benchmarks.replay --traces .bench/synthetic_reasoning.jsonl --arms radix,amortize,scratch \
                 "${common[@]}" --out benchmarks/replay/synthetic_reasoning_scratch
-            $PY -m serve.replay --traces .bench/bfcl_base_reasoning.jsonl --sample 16 --seed 0 \
+            $PY -m benchmarks.replay --traces .bench/bfcl_base_reasoning.jsonl --sample 16 --seed 0 \
                 --arms radix,amortize,scratch "${common[@]}" --out benchmarks/replay/bfcl_base_reasoning_scratch
             ;;
         interleaved)  # reasoning of the agentic turn in progress re-sent, earlier turns' dropped
-            $PY -m serve.replay --traces .bench/bfcl_base_reasoning.jsonl --sample 16 --seed 0 \
+            $PY -m benchmarks.replay --traces .bench/bfcl_base_reasoning.jsonl --sample 16 --seed 0 \
                 --reasoning-rule interleaved --arms radix,amortize,scratch "${common[@]}" \
                 --out benchmarks/replay/bfcl_base_interleaved_scratch
             ;;
         move)
-            $PY -m serve.replay --traces .bench/synthetic.jsonl --arms radix,radix_move,amortize,amortize_move \
+            $PY -m benchmarks.replay --traces .bench/synthetic.jsonl --arms radix,radix_move,amortize,amortize_move \
                 "${common[@]}" --policy truncate --keep 2 --out benchmarks/replay/synthetic_truncate2_move
-            $PY -m serve.replay --traces .bench/synthetic.jsonl --arms radix,radix_move,amortize,amortize_move \
+            $PY -m benchmarks.replay --traces .bench/synthetic.jsonl --arms radix,radix_move,amortize,amortize_move \
                 "${common[@]}" --out benchmarks/replay/synthetic_none_move
-            $PY -m serve.replay --traces .bench/bfcl_long.jsonl --sample 16 --seed 0 \
+            $PY -m benchmarks.replay --traces .bench/bfcl_long.jsonl --sample 16 --seed 0 \
                 --arms radix,radix_move,amortize,amortize_move "${common[@]}" --policy truncate --keep 2 \
                 --out benchmarks/replay/bfcl_long_truncate2_move
             ;;

@@ -1,0 +1,164 @@
+"""The benchmarks' one harness: timing, the machine's floors measured in the same run, and
+markdown tables.
+
+Timing: `times` samples the wall seconds of a callable whose result is blocked on
+(`jax.block_until_ready`: dispatch is asynchronous), after `warmup` calls (compiles excluded);
+`median_time` is their median, `interleaved` the medians of several callables run in turns (a
+shared machine's changing load falls on all of them alike), `timed` the seconds of one call
+(`clocked`: and its result).
+
+Floors: the rates a benchmark holds its work to, measured in its own run, each a median of 5
+samples: `copy_bandwidth` (an fp32 `x + 1` pass in place on a donated buffer and, with
+`fresh`, into a new one; read + write counted), `read_bandwidth` (a reduction),
+`memcpy_bandwidth` (numpy's copy between two host buffers) and `matmul_rate` (an n x n x n
+matmul of random values).
+
+`table`: the lines of one markdown table. `BENCH_HF_CONFIG`: the CPU benchmarks' model.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from checkpoints.tiny import TINY_HF_CONFIGS
+
+# DeepSeek-V2-Lite attention shapes with few layers. Dense MLPs (intermediate 4096) and a 32k
+# vocabulary keep CPU runs short; attention and the cache are what these benchmarks measure.
+BENCH_HF_CONFIG = dict(
+    TINY_HF_CONFIGS["deepseek_v2"],
+    vocab_size=32000,
+    hidden_size=2048,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    kv_lora_rank=512,
+    q_lora_rank=None,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=128,
+    v_head_dim=128,
+    intermediate_size=4096,
+    num_hidden_layers=2,
+    first_k_dense_replace=2,
+    max_position_embeddings=163840,  # = factor x original, as V2-Lite
+    initializer_range=0.02,
+    rope_scaling=dict(
+        type="yarn",
+        factor=40.0,
+        original_max_position_embeddings=4096,
+        beta_fast=32,
+        beta_slow=1,
+        mscale=0.707,
+        mscale_all_dim=0.707,
+    ),
+)
+
+
+# ---- timing -------------------------------------------------------------------------------------
+def times(fn: Callable[[], object], *, repeats: int = 5, warmup: int = 1, iters: int = 1) -> list:
+    """Seconds per call of `fn()`, `repeats` samples after `warmup` calls. A sample issues
+    `iters` calls back to back and blocks once at the end: dispatch is asynchronous, so the
+    device stays busy and a sub-millisecond pass is not charged the host's launch latency."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            result = fn()
+        jax.block_until_ready(result)
+        out.append((time.perf_counter() - t0) / iters)
+    return out
+
+
+def median_time(
+    fn: Callable[[], object], repeats: int = 5, warmup: int = 1, iters: int = 1
+) -> float:
+    """Median seconds per call of `fn()` (`times`)."""
+    return statistics.median(times(fn, repeats=repeats, warmup=warmup, iters=iters))
+
+
+def clocked(fn: Callable[[], object]) -> tuple:
+    """(the result of one call of `fn()`, blocked on; the wall seconds it took)."""
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(fn())
+    return out, time.perf_counter() - t0
+
+
+def timed(fn: Callable[[], object]) -> float:
+    """Wall seconds of one call of `fn()`, its result blocked on."""
+    return clocked(fn)[1]
+
+
+def interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median seconds of each of `fns` (each called once first: compiled and warm), run in
+    turns, one call of each per round, `repeats` rounds."""
+    for fn in fns.values():
+        jax.block_until_ready(fn())
+    samples = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            samples[name].append(timed(fn))
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+# ---- floors -------------------------------------------------------------------------------------
+def _pass_rate(nbytes: int, iters: int, donate: bool) -> float:
+    """Bytes/s (read + write) of `x + 1` over an fp32 buffer of `nbytes`: in place on a donated
+    buffer (no fresh output pages faulted in inside the timed region), or into a new one."""
+    n = nbytes // 4
+    step = jax.jit(lambda a: a + 1.0, donate_argnums=0 if donate else ())
+    box = {"x": jnp.zeros((n,), jnp.float32)}
+
+    def run():
+        out = step(box["x"])
+        if donate:
+            box["x"] = out
+        return out
+
+    return 2 * n * 4 / median_time(run, iters=iters)
+
+
+def copy_bandwidth(nbytes: int = 256 << 20, *, iters: int = 1, fresh: bool = False) -> dict:
+    """{"bytes": read + written per pass, "inplace_bytes_s", with `fresh` also "fresh_bytes_s",
+    "bytes_s": the better rate: the reference a copy of KV is a fraction of}."""
+    rates = {"inplace_bytes_s": _pass_rate(nbytes, iters, donate=True)}
+    if fresh:
+        rates["fresh_bytes_s"] = _pass_rate(nbytes, iters, donate=False)
+    return {"bytes": 2 * (nbytes // 4) * 4, **rates, "bytes_s": max(rates.values())}
+
+
+def read_bandwidth(nbytes: int = 256 << 20) -> float:
+    """Bytes/s of a reduction over an fp32 buffer (read only)."""
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    return nbytes / median_time(lambda: total(x))
+
+
+def memcpy_bandwidth(nbytes: int = 256 << 20) -> float:
+    """Bytes/s (read + write) of one memcpy between two large, already touched host buffers
+    (numpy's copy: libc memcpy): the floor a copy of scattered rows is held to."""
+    a, b = np.ones(nbytes // 4, np.float32), np.zeros(nbytes // 4, np.float32)
+    return 2 * nbytes / median_time(lambda: np.copyto(b, a))
+
+
+def matmul_rate(n: int = 2048, dtype=jnp.float32, *, iters: int = 1) -> float:
+    """flop/s of an n x n x n matmul in `dtype` of random values (a GPU multiplies zeros
+    faster), drawn on the device by XLA's own generator ("rbg")."""
+    a = jax.random.uniform(jax.random.key(0, impl="rbg"), (n, n), dtype, -1.0, 1.0)
+    mm = jax.jit(lambda x: x @ x)
+    return 2 * n**3 / median_time(lambda: mm(a), iters=iters)
+
+
+# ---- markdown -----------------------------------------------------------------------------------
+def table(header: list[str], rows, align: str | None = None) -> list[str]:
+    """The lines of a markdown table: `header`, then a line per row (cells already formatted as
+    strings). `align`: a letter per column, "l" or "r" (default: the first left, the rest
+    right)."""
+    align = align or "l" + "r" * (len(header) - 1)
+    rule = "|" + "|".join("---:" if a == "r" else "---" for a in align) + "|"
+    return ["| " + " | ".join(header) + " |", rule, *("| " + " | ".join(r) + " |" for r in rows)]
