@@ -337,160 +337,159 @@ def _optional_real(key: str, value) -> float | None:
     return None if value is None else _real(key, value)
 
 
+class _HF:
+    """A `config.json` being read: its family, its values over the family's defaults (an
+    explicit null stays null, as in transformers), and the checks that name a field."""
+
+    def __init__(self, hf):
+        if not isinstance(hf, Mapping):
+            raise ConfigError(f"config.json must hold a JSON object, got {type(hf).__name__}")
+        self.family = hf.get("model_type")
+        if self.family not in FAMILIES:
+            raise ConfigError(f"unknown model_type {self.family!r}: supported are {FAMILIES}")
+        self.d = {**_FAMILY_DEFAULTS[self.family], **hf}
+
+    def get(self, key, default=None):
+        return self.d.get(key, default)
+
+    def need(self, key, minimum=1) -> int:
+        if self.d.get(key) is None:
+            raise ConfigError(f"{self.family} config.json is missing {key!r}")
+        return _integer(key, self.d[key], minimum)
+
+    def count(self, key, default, minimum=0) -> int:  # an integer where null / 0 is `default`
+        return _integer(key, self.d.get(key) or default, minimum)
+
+    def refuse(self, key, ok, why) -> None:
+        if self.d.get(key) is not None and not ok(self.d[key]):
+            raise ConfigError(f"{key}={self.d[key]!r} is not supported: {why}")
+
+
 def _from_hf_dict(hf) -> MLAConfig:
-    if not isinstance(hf, Mapping):
-        raise ConfigError(f"config.json must hold a JSON object, got {type(hf).__name__}")
-    family = hf.get("model_type")
-    if family not in FAMILIES:
-        raise ConfigError(f"unknown model_type {family!r}: supported are {FAMILIES}")
-    hf = {**_FAMILY_DEFAULTS[family], **hf}  # an explicit null stays null, as in transformers
-
-    def need(key, minimum=1):
-        if hf.get(key) is None:
-            raise ConfigError(f"{family} config.json is missing {key!r}")
-        return _integer(key, hf[key], minimum)
-
-    def count(key, default, minimum=0):  # an integer field where null / 0 means `default`
-        return _integer(key, hf.get(key) or default, minimum)
-
-    def refuse(key, ok, why):
-        if key in hf and hf[key] is not None and not ok(hf[key]):
-            raise ConfigError(f"{key}={hf[key]!r} is not supported: {why}")
-
-    refuse("hidden_act", lambda v: v == "silu", "only SiLU MLPs are implemented")
-    refuse("attention_bias", lambda v: v is False, "MLA projections with bias are not implemented")
-    refuse("mlp_bias", lambda v: v is False, "MLPs with bias are not implemented")
-    refuse(
+    r = _HF(hf)
+    r.refuse("hidden_act", lambda v: v == "silu", "only SiLU MLPs are implemented")
+    r.refuse(
+        "attention_bias", lambda v: v is False, "MLA projections with bias are not implemented"
+    )
+    r.refuse("mlp_bias", lambda v: v is False, "MLPs with bias are not implemented")
+    r.refuse(
         "moe_layer_freq",
         lambda v: v == 1,
         "the reference places a MoE block on every layer from first_k_dense_replace on",
     )
-    refuse(
+    r.refuse(
         "pretraining_tp", lambda v: v == 1, "tensor-parallel pretraining splits are not modelled"
     )
-    refuse("partial_rotary_factor", lambda v: v == 1 or v == 1.0, "partial RoPE is not modelled")
+    r.refuse("partial_rotary_factor", lambda v: v == 1 or v == 1.0, "partial RoPE is not modelled")
+    layers = r.need("num_hidden_layers")
+    q_lora = r.get("q_lora_rank")
+    return MLAConfig(
+        model_type=r.family,
+        vocab_size=r.need("vocab_size"),
+        hidden_size=r.need("hidden_size"),
+        num_hidden_layers=layers,
+        num_attention_heads=r.need("num_attention_heads"),
+        intermediate_size=r.need("intermediate_size"),
+        kv_lora_rank=r.need("kv_lora_rank"),
+        qk_nope_head_dim=r.need("qk_nope_head_dim"),
+        qk_rope_head_dim=r.need("qk_rope_head_dim"),
+        v_head_dim=r.need("v_head_dim"),
+        q_lora_rank=None if q_lora is None else _integer("q_lora_rank", q_lora, 1),
+        rms_norm_eps=_real("rms_norm_eps", r.get("rms_norm_eps", 1e-6), positive=True),
+        max_position_embeddings=_integer(
+            "max_position_embeddings", r.get("max_position_embeddings", 4096), 1
+        ),
+        tie_word_embeddings=bool(r.get("tie_word_embeddings", False)),
+        # V2 applies RoPE on complex views of interleaved pairs; V3/GLM honour rope_interleave
+        rope_interleave=r.family == "deepseek_v2" or bool(r.get("rope_interleave", True)),
+        mlp_layer_types=_layer_types(r, layers),
+        moe_intermediate_size=r.count("moe_intermediate_size", 0),
+        n_routed_experts=r.count("n_routed_experts", 0),
+        n_shared_experts=r.count("n_shared_experts", 0),
+        num_experts_per_tok=r.count("num_experts_per_tok", 0),
+        routed_scaling_factor=_real(
+            "routed_scaling_factor", r.get("routed_scaling_factor", 1.0), positive=True
+        ),
+        num_mtp_layers=_mtp_layers(r),
+        **_routing(r),
+        **_rope(r),
+    )
 
-    layers = need("num_hidden_layers")
 
-    # ---- RoPE: new-style `rope_parameters`, or old-style `rope_theta` + `rope_scaling` -----
+def _rope(r: _HF) -> dict[str, Any]:
+    """RoPE's fields: new-style `rope_parameters`, or old-style `rope_theta` + `rope_scaling`."""
     for key in ("rope_parameters", "rope_scaling"):
-        if hf.get(key) is not None and not isinstance(hf[key], Mapping):
-            raise ConfigError(f"{key}={hf[key]!r} must be a JSON object")
-    rope = dict(hf.get("rope_parameters") or {})
-    old = hf.get("rope_scaling") or {}
-    for k, v in old.items():
+        if r.get(key) is not None and not isinstance(r.get(key), Mapping):
+            raise ConfigError(f"{key}={r.get(key)!r} must be a JSON object")
+    rope = dict(r.get("rope_parameters") or {})
+    for k, v in (r.get("rope_scaling") or {}).items():
         rope.setdefault(k, v)
     if any(isinstance(v, dict) for v in rope.values()):
         raise ConfigError("rope_parameters nested per layer type are not supported")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    refuse_rope = {"default", "yarn"}
-    if rope_type not in refuse_rope:
+    if rope_type not in ("default", "yarn"):
         raise ConfigError(f"rope_type={rope_type!r} is not supported (default, yarn)")
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         raise ConfigError("rope_parameters.partial_rotary_factor != 1 is not supported")
-    if hf.get("rope_theta") is not None:  # checked even where rope_parameters overrides it
-        _real("rope_theta", hf["rope_theta"], positive=True)
-    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-    rope_kw: dict[str, Any] = {
-        "rope_theta": _real("rope_theta", theta, positive=True),
-        "rope_type": rope_type,
-    }
-    if rope_type == "yarn":
-        omax = hf.get("original_max_position_embeddings") or rope.get(
-            "original_max_position_embeddings", hf.get("max_position_embeddings")
-        )
-        rope_kw.update(
-            rope_factor=None
-            if rope.get("factor") is None
-            else _real("rope factor", rope["factor"], positive=True),
-            rope_original_max_position_embeddings=_integer(
-                "original_max_position_embeddings", omax, 1
-            ),
-            rope_beta_fast=_real("beta_fast", rope.get("beta_fast") or 32),
-            rope_beta_slow=_real("beta_slow", rope.get("beta_slow") or 1),
-            rope_mscale=_optional_real("mscale", rope.get("mscale")),
-            rope_mscale_all_dim=_optional_real("mscale_all_dim", rope.get("mscale_all_dim")),
-            rope_attention_factor=_optional_real("attention_factor", rope.get("attention_factor")),
-            rope_truncate=bool(rope.get("truncate", True)),
-        )
-    # V2 applies RoPE on complex views of interleaved pairs; V3/GLM honour `rope_interleave`.
-    interleave = True if family == "deepseek_v2" else bool(hf.get("rope_interleave", True))
-
-    # ---- MLP layer types ------------------------------------------------------------------
-    if family == "glm4_moe_lite":
-        types = hf.get("mlp_layer_types") or ["dense"] + ["sparse"] * (layers - 1)
-    else:
-        k = count("first_k_dense_replace", 0)
-        types = ["dense"] * min(k, layers) + ["sparse"] * max(layers - k, 0)
-    types = tuple(types)
-
-    # ---- routing --------------------------------------------------------------------------
-    if family == "deepseek_v2":
-        method = hf.get("topk_method") or "greedy"
-        if method == "greedy":
-            router = ROUTER_SOFTMAX_GREEDY
-        elif method == "group_limited_greedy":
-            router = ROUTER_SOFTMAX_GROUP_LIMITED
-        else:
-            raise ConfigError(
-                f"topk_method={method!r} is not supported for deepseek_v2 "
-                "(greedy, group_limited_greedy)"
-            )
-        refuse(
-            "norm_topk_prob",
-            lambda v: v is False,
-            "the deepseek_v2 reference never normalises top-k weights",
-        )
-        norm_topk = False
-        n_group = count("n_group", 1, 1)
-        topk_group = count("topk_group", 1, 1)
-    else:
-        refuse("scoring_func", lambda v: v == "sigmoid", f"{family} routes with sigmoid scores")
-        refuse("topk_method", lambda v: v == "noaux_tc", f"{family} routes with noaux_tc")
-        router = ROUTER_SIGMOID_GROUPED
-        norm_topk = bool(hf["norm_topk_prob"])
-        n_group = count("n_group", 1, 1)
-        topk_group = count("topk_group", 1, 1)
-
-    if family == "deepseek_v3":
-        mtp = hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 1))
-        mtp = _integer("num_nextn_predict_layers", mtp or 0, 0)
-    elif family == "glm4_moe_lite":
-        mtp = _integer("num_nextn_predict_layers", hf.get("num_nextn_predict_layers", 1) or 0, 0)
-    else:
-        mtp = 0
-
-    q_lora = hf.get("q_lora_rank")
-    return MLAConfig(
-        model_type=family,
-        vocab_size=need("vocab_size"),
-        hidden_size=need("hidden_size"),
-        num_hidden_layers=layers,
-        num_attention_heads=need("num_attention_heads"),
-        intermediate_size=need("intermediate_size"),
-        kv_lora_rank=need("kv_lora_rank"),
-        qk_nope_head_dim=need("qk_nope_head_dim"),
-        qk_rope_head_dim=need("qk_rope_head_dim"),
-        v_head_dim=need("v_head_dim"),
-        q_lora_rank=None if q_lora is None else _integer("q_lora_rank", q_lora, 1),
-        rms_norm_eps=_real("rms_norm_eps", hf.get("rms_norm_eps", 1e-6), positive=True),
-        max_position_embeddings=_integer(
-            "max_position_embeddings", hf.get("max_position_embeddings", 4096), 1
-        ),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        rope_interleave=interleave,
-        mlp_layer_types=types,
-        moe_intermediate_size=count("moe_intermediate_size", 0),
-        n_routed_experts=count("n_routed_experts", 0),
-        n_shared_experts=count("n_shared_experts", 0),
-        num_experts_per_tok=count("num_experts_per_tok", 0),
-        n_group=n_group,
-        topk_group=topk_group,
-        router=router,
-        routed_scaling_factor=_real(
-            "routed_scaling_factor", hf.get("routed_scaling_factor", 1.0), positive=True
-        ),
-        norm_topk_prob=norm_topk,
-        num_mtp_layers=mtp,
-        **rope_kw,
+    if r.get("rope_theta") is not None:  # checked even where rope_parameters overrides it
+        _real("rope_theta", r.get("rope_theta"), positive=True)
+    theta = rope.get("rope_theta", r.get("rope_theta", 10000.0))
+    out = {"rope_theta": _real("rope_theta", theta, positive=True), "rope_type": rope_type}
+    if rope_type != "yarn":
+        return out
+    omax = r.get("original_max_position_embeddings") or rope.get(
+        "original_max_position_embeddings", r.get("max_position_embeddings")
     )
+    factor = rope.get("factor")
+    return out | dict(
+        rope_factor=None if factor is None else _real("rope factor", factor, positive=True),
+        rope_original_max_position_embeddings=_integer("original_max_position_embeddings", omax, 1),
+        rope_beta_fast=_real("beta_fast", rope.get("beta_fast") or 32),
+        rope_beta_slow=_real("beta_slow", rope.get("beta_slow") or 1),
+        rope_mscale=_optional_real("mscale", rope.get("mscale")),
+        rope_mscale_all_dim=_optional_real("mscale_all_dim", rope.get("mscale_all_dim")),
+        rope_attention_factor=_optional_real("attention_factor", rope.get("attention_factor")),
+        rope_truncate=bool(rope.get("truncate", True)),
+    )
+
+
+def _layer_types(r: _HF, layers: int) -> tuple[str, ...]:
+    if r.family == "glm4_moe_lite":
+        return tuple(r.get("mlp_layer_types") or ["dense"] + ["sparse"] * (layers - 1))
+    k = r.count("first_k_dense_replace", 0)
+    return tuple(["dense"] * min(k, layers) + ["sparse"] * max(layers - k, 0))
+
+
+def _routing(r: _HF) -> dict[str, Any]:
+    """The router's rule and groups: V2's softmax (greedy or group-limited), V3/GLM's sigmoid."""
+    groups = dict(n_group=r.count("n_group", 1, 1), topk_group=r.count("topk_group", 1, 1))
+    if r.family != "deepseek_v2":
+        r.refuse("scoring_func", lambda v: v == "sigmoid", f"{r.family} routes with sigmoid scores")
+        r.refuse("topk_method", lambda v: v == "noaux_tc", f"{r.family} routes with noaux_tc")
+        norm = bool(r.get("norm_topk_prob"))
+        return dict(router=ROUTER_SIGMOID_GROUPED, norm_topk_prob=norm, **groups)
+    method = r.get("topk_method") or "greedy"
+    routers = {
+        "greedy": ROUTER_SOFTMAX_GREEDY,
+        "group_limited_greedy": ROUTER_SOFTMAX_GROUP_LIMITED,
+    }
+    if method not in routers:
+        raise ConfigError(
+            f"topk_method={method!r} is not supported for deepseek_v2 "
+            "(greedy, group_limited_greedy)"
+        )
+    r.refuse(
+        "norm_topk_prob",
+        lambda v: v is False,
+        "the deepseek_v2 reference never normalises top-k weights",
+    )
+    return dict(router=routers[method], norm_topk_prob=False, **groups)
+
+
+def _mtp_layers(r: _HF) -> int:
+    if r.family == "deepseek_v3":
+        mtp = r.get("num_nextn_predict_layers", r.get("num_mtp_layers", 1))
+        return _integer("num_nextn_predict_layers", mtp or 0, 0)
+    if r.family == "glm4_moe_lite":
+        return _integer("num_nextn_predict_layers", r.get("num_nextn_predict_layers", 1) or 0, 0)
+    return 0

@@ -254,7 +254,8 @@ def _check_source_pages(state: PagedKVState, seq: int, ds: Sequence[Directive]) 
     ps = state.page_size
     forget = [d.start for d in ds if d.mode is Mode.FORGET]
     n = int(state.lengths[seq])
-    cut_pages = set(state.page_table[seq, forget[0] // ps : -(-n // ps)].tolist()) if forget else ()
+    held = state.page_table[seq, forget[0] // ps : allocator.pages_for(n, ps)] if forget else []
+    cut_pages = set(np.asarray(held).tolist())
     for d in ds:
         for x in d.sources:
             if not x.pages:

@@ -171,114 +171,116 @@ def _contiguous(a: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     return out
 
 
-def _mla_lazy_hf_params(config: MLAConfig, tensors: Mapping[str, Any], dtype) -> dict[str, Any]:
-    """MLA, lazily: the nested params of `CausalLM`, each leaf a zero-argument callable that
-    reads the tensors it needs from `tensors` (names and shapes already checked) and builds the
-    param as numpy. Transposes linear weights to `[in, out]`, splits `kv_b_proj` into head-major
-    `k_up` `[N, Dn, R]` and `v_up` `[N, R, Dv]`, stacks experts, permutes interleaved rope rows
-    to the halves layout, casts to `dtype` (the router and its bias stay float32)."""
-    c = config
-    n, dn, dv, r = c.num_attention_heads, c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank
-    dr = c.qk_rope_head_dim
-    perm = rope.deinterleave_perm(dr) if c.rope_interleave else np.arange(dr)
+class _MLALeaves:
+    """Lazy leaves of MLA params: each method returns a zero-argument callable that reads the
+    tensors it needs (names and shapes already checked) and builds the param as numpy in
+    `dtype`: linear weights transposed to `[in, out]`, `kv_b_proj` split into head-major `k_up`
+    `[N, Dn, R]` and `v_up` `[N, R, Dv]`, experts stacked, interleaved rope rows permuted to
+    the halves layout."""
 
-    def get(name, out_dtype=dtype):  # a fresh array (a lazy tensor's read is one already)
-        return np.array(tensors[name], dtype=out_dtype)
+    def __init__(self, config: MLAConfig, tensors: Mapping[str, Any], dtype):
+        c = self.c = config
+        self.tensors, self.dtype = tensors, dtype
+        self.perm = rope.deinterleave_perm(c.qk_rope_head_dim) if c.rope_interleave else None
 
-    # Each helper below returns a leaf: it reads nothing until called.
-    def plain(name, out_dtype=dtype):
-        return lambda: get(name, out_dtype)
+    def get(self, name, out_dtype=None):  # a fresh array (a lazy tensor's read is one already)
+        return np.array(self.tensors[name], dtype=out_dtype or self.dtype)
 
-    def linear(name, out_dtype=dtype):  # [out, in] -> [in, out]
-        return lambda: get(name, out_dtype).T
+    def plain(self, name, out_dtype=None):
+        return lambda: self.get(name, out_dtype)
 
-    def q_proj(name):  # [N*Dqk, in]: permute each head's rope rows, then [in, N*Dqk]
+    def linear(self, name, out_dtype=None):  # [out, in] -> [in, out]
+        return {"kernel": lambda: self.get(name, out_dtype).T}
+
+    def _rope_rows(self, w, axis: int):  # the trailing Dr rows of `axis` in the halves layout
+        if self.perm is None:
+            return w
+        cut = w.shape[axis] - len(self.perm)
+        head, band = np.split(w, [cut], axis=axis)
+        return np.concatenate([head, np.take(band, self.perm, axis=axis)], axis)
+
+    def q_proj(self, name):  # [N*Dqk, in]: each head's rope rows permuted, then [in, N*Dqk]
+        c = self.c
+        shape = (c.num_attention_heads, c.qk_head_dim, -1)
+        return {"kernel": lambda: self._rope_rows(self.get(name).reshape(shape), 1)
+                .reshape(c.num_attention_heads * c.qk_head_dim, -1).T}  # fmt: skip
+
+    def kv_a_proj(self, name):  # [R + Dr, H]: the rope rows permuted, then [H, R + Dr]
+        return {"kernel": lambda: self._rope_rows(self.get(name), 0).T}
+
+    def kv_up(self, name) -> dict:  # [N * (Dn + Dv), R] -> k_up [N, Dn, R], v_up [N, R, Dv]
+        c = self.c
+        n, dn = c.num_attention_heads, c.qk_nope_head_dim
+
+        def kv_b():
+            return self.get(name).reshape(n, dn + c.v_head_dim, c.kv_lora_rank)
+
+        return {"k_up": lambda: kv_b()[:, :dn], "v_up": lambda: kv_b()[:, dn:].transpose(0, 2, 1)}
+
+    def experts(self, names):  # E x [out, in] -> [E, in, out], filled one expert at a time
         def build():
-            w = get(name).reshape(n, c.qk_head_dim, -1)
-            w = np.concatenate([w[:, :dn], w[:, dn:][:, perm]], 1)
-            return w.reshape(n * c.qk_head_dim, -1).T
-
-        return build
-
-    def kv_a_proj(name):  # [R + Dr, H]: permute the rope rows, then [H, R + Dr]
-        def build():
-            w = get(name)
-            return np.concatenate([w[:r], w[r:][perm]], 0).T
-
-        return build
-
-    def kv_b(name):  # [N * (Dn + Dv), R] -> [N, Dn + Dv, R]
-        return get(name).reshape(n, dn + dv, r)
-
-    def k_up(name):
-        return lambda: kv_b(name)[:, :dn]  # [N, Dn, R]
-
-    def v_up(name):
-        return lambda: kv_b(name)[:, dn:].transpose(0, 2, 1)  # [N, R, Dv]
-
-    def experts(names):  # E x [out, in] -> [E, in, out], filled one expert at a time
-        def build():
-            d_out, d_in = np.shape(tensors[names[0]])
-            out = np.empty((len(names), d_in, d_out), np.dtype(dtype))
+            d_out, d_in = np.shape(self.tensors[names[0]])
+            out = np.empty((len(names), d_in, d_out), np.dtype(self.dtype))
             for e, name in enumerate(names):
-                _contiguous(get(name).T, out=out[e])
+                _contiguous(self.get(name).T, out=out[e])
             return out
 
         return build
 
-    def mlp(prefix):
+    def mlp(self, prefix) -> dict:
         return {
-            "gate_proj": {"kernel": linear(f"{prefix}.gate_proj.weight")},
-            "up_proj": {"kernel": linear(f"{prefix}.up_proj.weight")},
-            "down_proj": {"kernel": linear(f"{prefix}.down_proj.weight")},
+            k: self.linear(f"{prefix}.{k}.weight") for k in ("gate_proj", "up_proj", "down_proj")
         }
 
-    layers = {}
-    for i in range(c.num_hidden_layers):
-        p, a = f"model.layers.{i}", f"model.layers.{i}.self_attn"
+    def attention(self, a: str) -> dict:
         attn: dict[str, Any] = {}
-        if c.q_lora_rank is None:
-            attn["q_proj"] = {"kernel": q_proj(f"{a}.q_proj.weight")}
+        if self.c.q_lora_rank is None:
+            attn["q_proj"] = self.q_proj(f"{a}.q_proj.weight")
         else:
-            attn["q_a_proj"] = {"kernel": linear(f"{a}.q_a_proj.weight")}
-            attn["q_a_norm"] = {"weight": plain(f"{a}.q_a_layernorm.weight")}
-            attn["q_b_proj"] = {"kernel": q_proj(f"{a}.q_b_proj.weight")}
-        attn["kv_a_proj"] = {"kernel": kv_a_proj(f"{a}.kv_a_proj_with_mqa.weight")}
-        attn["kv_a_norm"] = {"weight": plain(f"{a}.kv_a_layernorm.weight")}
-        attn["k_up"] = k_up(f"{a}.kv_b_proj.weight")
-        attn["v_up"] = v_up(f"{a}.kv_b_proj.weight")
-        attn["o_proj"] = {"kernel": linear(f"{a}.o_proj.weight")}
-        layer: dict[str, Any] = {
-            "input_norm": {"weight": plain(f"{p}.input_layernorm.weight")},
-            "post_attention_norm": {"weight": plain(f"{p}.post_attention_layernorm.weight")},
-            "attn": attn,
-        }
-        if c.is_sparse(i):
-            ex = [f"{p}.mlp.experts.{e}" for e in range(c.n_routed_experts)]
-            moe: dict[str, Any] = {
-                "router": {"weight": linear(f"{p}.mlp.gate.weight", np.float32)},
-                "experts": {
-                    "gate": experts([f"{e}.gate_proj.weight" for e in ex]),
-                    "up": experts([f"{e}.up_proj.weight" for e in ex]),
-                    "down": experts([f"{e}.down_proj.weight" for e in ex]),
-                },
-            }
-            if c.router == ROUTER_SIGMOID_GROUPED:
-                moe["router"]["bias"] = plain(f"{p}.mlp.gate.e_score_correction_bias", np.float32)
-            if c.n_shared_experts:
-                moe["shared"] = mlp(f"{p}.mlp.shared_experts")
-            layer["mlp"] = moe
-        else:
-            layer["mlp"] = mlp(f"{p}.mlp")
-        layers[i] = layer
+            attn["q_a_proj"] = self.linear(f"{a}.q_a_proj.weight")
+            attn["q_a_norm"] = {"weight": self.plain(f"{a}.q_a_layernorm.weight")}
+            attn["q_b_proj"] = self.q_proj(f"{a}.q_b_proj.weight")
+        attn["kv_a_proj"] = self.kv_a_proj(f"{a}.kv_a_proj_with_mqa.weight")
+        attn["kv_a_norm"] = {"weight": self.plain(f"{a}.kv_a_layernorm.weight")}
+        attn["o_proj"] = self.linear(f"{a}.o_proj.weight")
+        return attn | self.kv_up(f"{a}.kv_b_proj.weight")
 
+    def moe(self, p: str) -> dict:  # the router and its bias stay float32
+        ex = [f"{p}.mlp.experts.{e}" for e in range(self.c.n_routed_experts)]
+        moe: dict[str, Any] = {
+            "router": {"weight": self.linear(f"{p}.mlp.gate.weight", np.float32)["kernel"]},
+            "experts": {
+                k: self.experts([f"{e}.{k}_proj.weight" for e in ex])
+                for k in ("gate", "up", "down")
+            },
+        }
+        if self.c.router == ROUTER_SIGMOID_GROUPED:
+            moe["router"]["bias"] = self.plain(f"{p}.mlp.gate.e_score_correction_bias", np.float32)
+        if self.c.n_shared_experts:
+            moe["shared"] = self.mlp(f"{p}.mlp.shared_experts")
+        return moe
+
+    def layer(self, i: int) -> dict:
+        p = f"model.layers.{i}"
+        return {
+            "input_norm": {"weight": self.plain(f"{p}.input_layernorm.weight")},
+            "post_attention_norm": {"weight": self.plain(f"{p}.post_attention_layernorm.weight")},
+            "attn": self.attention(f"{p}.self_attn"),
+            "mlp": self.moe(p) if self.c.is_sparse(i) else self.mlp(f"{p}.mlp"),
+        }
+
+
+def _mla_lazy_hf_params(config: MLAConfig, tensors: Mapping[str, Any], dtype) -> dict[str, Any]:
+    """MLA, lazily: the nested params of `CausalLM`, each leaf a zero-argument callable
+    (`_MLALeaves`)."""
+    leaves = _MLALeaves(config, tensors, dtype)
     params: dict[str, Any] = {
-        "embed": plain("model.embed_tokens.weight"),
-        "layers": layers,
-        "final_norm": {"weight": plain("model.norm.weight")},
+        "embed": leaves.plain("model.embed_tokens.weight"),
+        "layers": {i: leaves.layer(i) for i in range(config.num_hidden_layers)},
+        "final_norm": {"weight": leaves.plain("model.norm.weight")},
     }
-    if not c.tie_word_embeddings:
-        params["lm_head"] = {"kernel": linear("lm_head.weight")}
+    if not config.tie_word_embeddings:
+        params["lm_head"] = leaves.linear("lm_head.weight")
     return params
 
 

@@ -70,21 +70,17 @@ def detect_edits(
 
 
 def edits_and_feed(
-    old: Sequence[int],
-    new: Sequence[int],
-    *,
-    mode: Mode = Mode.AMORTIZE,
-    min_keep: int = MIN_KEEP,
-    protect: Sequence[tuple[int, int]] = (),
+    old: Sequence[int], new: Sequence[int], **options
 ) -> tuple[list[Directive], list[int]]:
-    """`detect_edits`, with a tail of at least one token: a turn's first output needs the
+    """`detect_edits(old, new, **options)` (`mode`, `min_keep`, `protect`), with a tail of at
+    least one token: a turn's first output needs the
     logits of a token it feeds, so when the edits leave nothing to append (the new prompt ends
     in tokens the old list already held, or is the old list) the last token of `new` is cut by
     the edits and fed again. `apply_to_list(old, directives) + tail == list(new)` still holds."""
-    ds, tail = detect_edits(old, new, mode=mode, min_keep=min_keep, protect=protect)
+    ds, tail = detect_edits(old, new, **options)
     if tail or not new:
         return ds, tail
-    ds, tail = detect_edits(old, list(new)[:-1], mode=mode, min_keep=min_keep, protect=protect)
+    ds, tail = detect_edits(old, list(new)[:-1], **options)
     return ds, tail + [int(new[-1])]
 
 

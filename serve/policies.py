@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 
 STUB = "[evicted: older tool output]"
 INPUT_STUB = "{}"
@@ -89,7 +90,7 @@ class ClearToolUses:
             raise ValueError("keep and clear_at_least must be >= 0")
 
     def _tokens(self, text: str) -> int:
-        return self.count_tokens(text) if self.count_tokens else -(-len(text) // 4)
+        return self.count_tokens(text) if self.count_tokens else math.ceil(len(text) / 4)
 
     def _size(self, messages) -> int:
         return sum(

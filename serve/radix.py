@@ -1,8 +1,8 @@
 """The radix prefix cache: token-id prefixes -> the KV pages that hold them.
 
 Host-side bookkeeping only (plain Python); the engine applies what it returns to the paged
-state (`leyline_jax.paged.retain` / `release`), so the tree holds exactly one reference to
-each page it lists and a page is freed only when no sequence references it either.
+state (`leyline_jax.allocator.retain` / `release`): the tree holds one reference to each page
+it lists, and a page is freed only when no sequence references it either.
 
 Granularity is the page: a node's edge is a run of whole pages (its key is `page_size` tokens
 per page), so a cache hit hands a sequence full pages it never writes, and a page never mixes
@@ -10,15 +10,15 @@ the tokens of two edges. Edges split at page boundaries. Leaves whose pages nobo
 are evicted least recently used first.
 
 Pins (PIN): `pin` holds the cached pages on a path against eviction, with a count per node
-(pins nest; `unpin` undoes one). A pinned node is never evicted, nor are its ancestors (they
-are not leaves). FORGET beats a pin: `purge` and `clear` drop pinned pages too, pins included.
+(pins nest; `unpin` undoes one); a pinned node and its ancestors are never evicted. FORGET
+beats a pin: `purge` and `clear` drop pinned pages too, pins included.
 
 Content index (MOVE): `locate` finds a cached page by its tokens alone, wherever on a path it
 sits, so KV computed at one position can be moved to another instead of prefilled.
 
-What may enter the tree is the caller's business: the engine inserts only KV a fresh prefill of
-the same tokens would give (never AMORTIZE-spliced KV, which belongs to its session lineage),
-and purges the path of a FORGET-edited sequence from the first evicted token on.
+What may enter a tree is the caller's business (`serve.engine.caches`: the shared tree holds
+only KV a fresh prefill gives, a lineage's private tree its MOVE sessions' KV; a FORGET purges
+the edited path from the first evicted token on).
 """
 
 from __future__ import annotations
@@ -54,10 +54,8 @@ class RadixCache:
         self._by_tokens: dict[tuple[int, ...], set[int]] = {}
         self._at: dict[int, tuple[_Node, int]] = {}
 
-    # ---- helpers ------------------------------------------------------------------------
     def _page(self, tokens: Sequence[int], i: int) -> tuple[int, ...]:
-        ps = self.page_size
-        return tuple(int(t) for t in tokens[i * ps : (i + 1) * ps])
+        return tuple(int(t) for t in tokens[i * self.page_size : (i + 1) * self.page_size])
 
     def _common_pages(self, node: _Node, tokens: Sequence[int], first: int) -> int:
         """How many of `node`'s pages equal the token pages first, first+1, ... of `tokens`."""
@@ -112,22 +110,20 @@ class RadixCache:
                 return
             node, first = child, first + k
 
-    # ---- public -------------------------------------------------------------------------
     def match(self, tokens: Sequence[int], max_tokens: int | None = None) -> tuple[list[int], int]:
         """Longest cached prefix of `tokens` in whole pages (at most `max_tokens` tokens):
         (its pages, its length in tokens). Marks the path recently used."""
         limit = len(tokens) if max_tokens is None else min(max_tokens, len(tokens))
-        pages: list[int] = []
-        now = next(self._clock)
-        for node, _, k in self._walk(tokens[: limit - limit % self.page_size]):
-            node.last_used = now
-            pages += node.pages[:k]
-        return pages, len(pages) * self.page_size
+        return self._prefix(tokens[:limit], next(self._clock))
 
     def peek(self, tokens: Sequence[int]) -> tuple[list[int], int]:
         """`match` without marking the path used: (pages, tokens) of the longest cached prefix."""
+        return self._prefix(tokens, None)
+
+    def _prefix(self, tokens: Sequence[int], now: int | None) -> tuple[list[int], int]:
         pages: list[int] = []
         for node, _, k in self._walk(tokens[: len(tokens) - len(tokens) % self.page_size]):
+            node.last_used = node.last_used if now is None else now
             pages += node.pages[:k]
         return pages, len(pages) * self.page_size
 
@@ -209,8 +205,7 @@ class RadixCache:
         return page, (node.start + j) * self.page_size
 
     def touch(self, page: int) -> None:
-        """Mark the cached path down to `page` (a page the tree holds) recently used, as
-        `match` would; e.g. after moving KV from a page `locate` found."""
+        """Mark the path down to `page` (a page the tree holds) recently used, as `match` does."""
         now = next(self._clock)
         node = self._at[page][0]
         while node is not self.root:
@@ -242,8 +237,7 @@ class RadixCache:
         return out
 
     def clear(self) -> list[int]:
-        """Forget everything, pinned pages too; returns every page the tree held (the caller
-        releases them)."""
+        """Forget everything, pinned pages too; every page the tree held (the caller releases)."""
         out = self.pages()
         self.root.children.clear()
         self._by_tokens.clear()
@@ -281,28 +275,22 @@ class RadixCache:
             yield n
             stack += n.children.values()
 
-    def _path(self, node: _Node) -> tuple[list[int], list[int]]:
-        """(tokens, pages) from the root through `node`."""
+    def _path(self, node: _Node) -> tuple[list[int], list[int]]:  # root .. node: tokens, pages
         toks, pages = [], []
         while node is not self.root:
-            toks, pages = list(node.key) + toks, node.pages + pages
-            node = node.parent
+            toks, pages, node = list(node.key) + toks, node.pages + pages, node.parent
         return toks, pages
 
     def paths(self) -> list[tuple[list[int], list[int]]]:
-        """(tokens, pages) of every root-to-leaf path: inserting them into an empty tree
-        rebuilds what this one holds (a snapshot's copy)."""
+        """(tokens, pages) of every root-to-leaf path: inserted into an empty tree, the same
+        content (a snapshot's copy)."""
         return [self._path(n) for n in self._nodes() if not n.children]
 
     def pin_ends(self) -> list[tuple[list[int], int]]:
-        """(tokens of a pinned prefix, how many `pin`s of exactly it are held): pinning each
-        that many times in a rebuilt tree restores every pin count."""
-        out = []
-        for n in self._nodes():
-            own = n.pins - sum(c.pins for c in n.children.values())
-            if own > 0:
-                out.append((self._path(n)[0], own))
-        return out
+        """(a pinned prefix's tokens, how many `pin`s of exactly it are held): pinned that many
+        times in a rebuilt tree, every pin count comes back."""
+        ends = [(n, n.pins - sum(c.pins for c in n.children.values())) for n in self._nodes()]
+        return [(self._path(n)[0], own) for n, own in ends if own > 0]
 
     def pages(self) -> list[int]:
         """Every page the tree holds."""

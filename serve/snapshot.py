@@ -183,7 +183,7 @@ def _parse(engine: Engine, meta: dict, arrays: dict) -> tuple:
     """The snapshot's sessions, prefixes, radix pins, lineage trees and pages, checked
     (CheckpointError when malformed); format 1's missing fields take their defaults."""
     moved, rotated = arrays.get("moved"), arrays.get("rotated")
-    pools, ps = engine.state.pools, engine.page_size
+    pools = engine.state.pools
     for name, a, pool in (("moved", moved, pools.moved[0]), ("rotated", rotated, pools.rotated[0])):
         if (
             a is None
@@ -196,84 +196,97 @@ def _parse(engine: Engine, meta: dict, arrays: dict) -> tuple:
             raise CheckpointError(
                 f"the snapshot's {name} pages: dtype {a.dtype}, {a.shape[1]} pages"
             )
-    k, vocab = moved.shape[1], engine.model.config.vocab_size
+    r = _Records(moved.shape[1], engine.model.config.vocab_size, engine.page_size)
+    sessions = r.check(meta.get("sessions"), r.session, "session")
+    prefixes = r.check(meta.get("prefixes"), r.prefix, "prefix")
+    pins = r.check(meta.get("radix_pins", []), r.pin, "radix pin")
+    trees = r.check(meta.get("lineage_trees", []), r.tree, "lineage tree")
+    return sessions, prefixes, pins, trees, moved, rotated
 
-    def ints(v, hi: int) -> bool:
-        return isinstance(v, list) and all(is_int(x) and 0 <= x < hi for x in v)
 
-    def path(p) -> bool:
-        return (
-            isinstance(p, dict)
-            and ints(p.get("tokens"), vocab)
-            and ints(p.get("pages"), k)
-            and len(p["tokens"]) == len(p["pages"]) * ps
-        )
+class _Records:
+    """Checks of a snapshot's records against its `k` saved pages, the vocabulary and the page
+    size (each fills in what format 1 lacks)."""
 
+    def __init__(self, k: int, vocab: int, page_size: int):
+        self.k, self.vocab, self.ps, self.ids = k, vocab, page_size, set()
+
+    @staticmethod
     def check(records, ok, what: str) -> list:
         if not isinstance(records, list):
             raise CheckpointError(f"the snapshot holds no {what} list")
-        for r in records:
-            if not ok(r):
-                raise CheckpointError(f"a malformed {what} record in the snapshot: {str(r)[:200]}")
+        for rec in records:
+            if not ok(rec):
+                raise CheckpointError(
+                    f"a malformed {what} record in the snapshot: {str(rec)[:200]}"
+                )
         return records
 
-    def session(r) -> bool:
-        if not isinstance(r, dict) or not is_int(r.get("id")) or r["id"] < 0 or r["id"] in ids:
-            return False
-        ids.add(r["id"])
-        own = f"{OWN_LINEAGE}{r['id']}"
-        r.setdefault("pins", []), r.setdefault("lineage", own)
-        r.setdefault("private", False), r.setdefault("foreign", False)
-        lineage = r["lineage"]
+    @staticmethod
+    def ints(v, hi: int) -> bool:
+        return isinstance(v, list) and all(is_int(x) and 0 <= x < hi for x in v)
+
+    def path(self, p) -> bool:
         return (
-            ints(r.get("tokens"), vocab)
+            isinstance(p, dict)
+            and self.ints(p.get("tokens"), self.vocab)
+            and self.ints(p.get("pages"), self.k)
+            and len(p["tokens"]) == len(p["pages"]) * self.ps
+        )
+
+    def session(self, r) -> bool:
+        if not isinstance(r, dict) or not is_int(r.get("id")) or r["id"] < 0 or r["id"] in self.ids:
+            return False
+        self.ids.add(r["id"])
+        own = f"{OWN_LINEAGE}{r['id']}"
+        for key, default in (
+            ("pins", []),
+            ("lineage", own),
+            ("private", False),
+            ("foreign", False),
+        ):
+            r.setdefault(key, default)
+        return (
+            self.ints(r.get("tokens"), self.vocab)
             and is_int(r.get("cached"))
             and is_int(r.get("clean"))
             and 0 <= r["clean"] <= r["cached"] <= len(r["tokens"])
-            and ints(r.get("pages"), k)
-            and len(r["pages"]) == allocator.pages_for(r["cached"], ps)
+            and self.ints(r.get("pages"), self.k)
+            and len(r["pages"]) == allocator.pages_for(r["cached"], self.ps)
             and len(set(r["pages"])) == len(r["pages"])
             and _spans(r["pins"], len(r["tokens"]))
-            and isinstance(lineage, str)
-            and (lineage == own or not lineage.startswith(OWN_LINEAGE))
+            and isinstance(r["lineage"], str)
+            and (r["lineage"] == own or not r["lineage"].startswith(OWN_LINEAGE))
             and isinstance(r["private"], bool)
             and isinstance(r["foreign"], bool)
         )
 
-    def prefix(p) -> bool:
-        if isinstance(p, dict):
-            p.setdefault("lineages", [None] * len(p.get("pages") or []))
-        lineages = p.get("lineages") if isinstance(p, dict) else None
+    def prefix(self, p) -> bool:
+        if not self.path(p):
+            return False
+        lineages = p.setdefault("lineages", [None] * len(p["pages"]))
         return (
-            path(p)
-            and isinstance(lineages, list)
+            isinstance(lineages, list)
             and len(lineages) == len(p["pages"])
             and all(x is None or isinstance(x, str) for x in lineages)
         )
 
-    def pin(p) -> bool:
+    def pin(self, p) -> bool:
         return (
             isinstance(p, dict)
-            and ints(p.get("tokens"), vocab)
-            and len(p["tokens"]) % ps == 0
+            and self.ints(p.get("tokens"), self.vocab)
+            and len(p["tokens"]) % self.ps == 0
             and is_int(p.get("count"))
             and p["count"] >= 1
         )
 
-    def tree(t) -> bool:
+    def tree(self, t) -> bool:
         return (
             isinstance(t, dict)
             and isinstance(t.get("lineage"), str)
             and isinstance(t.get("paths"), list)
-            and all(path(p) for p in t["paths"])
+            and all(self.path(p) for p in t["paths"])
         )
-
-    ids: set[int] = set()
-    sessions = check(meta.get("sessions"), session, "session")
-    prefixes = check(meta.get("prefixes"), prefix, "prefix")
-    pins = check(meta.get("radix_pins", []), pin, "radix pin")
-    trees = check(meta.get("lineage_trees", []), tree, "lineage tree")
-    return sessions, prefixes, pins, trees, moved, rotated
 
 
 def _spans(pins, length: int) -> bool:

@@ -73,10 +73,7 @@ class Engine:
 
     # the parts' state, as callers and tests read it
     model = property(lambda self: self.pool.model)
-    mesh = property(lambda self: self.pool.mesh)
     page_size = property(lambda self: self.config.page_size)
-    prefill_chunk = property(lambda self: self.config.prefill_chunk)
-    move = property(lambda self: self.config.move)
     sessions = property(lambda self: self.table.sessions)
     radix = property(lambda self: self.caches.radix)
 

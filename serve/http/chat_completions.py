@@ -25,17 +25,7 @@ from serve.http.errors import APIError
 from serve.http.history import edit_messages, token_directives
 from serve.http.schema import ChatCompletionRequest
 from serve.http.text import OutputText, parse_tool_calls, tool_markers
-from serve.http.turn import (
-    Outcome,
-    Reply,
-    SessionHeader,
-    Turns,
-    data,
-    finish_reason,
-    leyline_extra,
-    session_key,
-    usage,
-)
+from serve.http.turn import Outcome, Reply, SessionHeader, Turns, data, session_key, usage
 
 
 @dataclasses.dataclass
@@ -120,8 +110,7 @@ class ChatReply(Reply):
             out_ids = out.output
             ids = out_ids[:-1] if out_ids and out_ids[-1] in tok.stop_tokens else out_ids
             self.backend.sessions.remember(self.key, text.text, list(ids))
-        extra = {"leyline": leyline_extra(self.req, self.key, self.turn.final, out.output,
-                                          self.turn.directives)}  # fmt: skip
+        extra = {"leyline": self.leyline(self.turn.final, out.output, self.turn.directives)}
         if self.turn.applied_edits is not None:
             extra["context_management"] = {"applied_edits": self.turn.applied_edits}
         return content, calls, extra
@@ -144,7 +133,7 @@ class ChatReply(Reply):
             )
         elif self.turn.use_tools and len(text.text) > text.sent:  # held back at a marker,
             events.append(self._chunk({"content": text.text[text.sent :]}))  # but no call
-        fin = "tool_calls" if calls else finish_reason(text, out.output)
+        fin = "tool_calls" if calls else self.finish_reason(out.output)
         use = usage(out.stats, len(out.output))
         opts = self.req.stream_options
         if opts is not None and opts.include_usage:
@@ -160,7 +149,7 @@ class ChatReply(Reply):
         message = {"role": "assistant", "content": content or (None if calls else "")}
         if calls:
             message["tool_calls"] = calls
-        fin = "tool_calls" if calls else finish_reason(self.text, out.output)
+        fin = "tool_calls" if calls else self.finish_reason(out.output)
         choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": fin}
         body = dict(self.head, object="chat.completion", choices=[choice])
         body["usage"] = usage(out.stats, len(out.output))

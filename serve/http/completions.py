@@ -12,17 +12,7 @@ from fastapi import Request
 from serve.http.errors import APIError
 from serve.http.schema import CompletionRequest
 from serve.http.text import OutputText
-from serve.http.turn import (
-    Outcome,
-    Reply,
-    SessionHeader,
-    Turns,
-    data,
-    finish_reason,
-    leyline_extra,
-    session_key,
-    usage,
-)
+from serve.http.turn import Outcome, Reply, SessionHeader, Turns, data, session_key, usage
 
 
 class TextReply(Reply):
@@ -44,7 +34,7 @@ class TextReply(Reply):
         if out is not None:
             b["usage"] = usage(out.stats, len(out.output))
             b["session_id"] = self.key
-            b["leyline"] = leyline_extra(self.req, self.key, self.prompt, out.output)
+            b["leyline"] = self.leyline(self.prompt, out.output)
         return b
 
     @staticmethod
@@ -56,7 +46,7 @@ class TextReply(Reply):
 
     def closing(self, out: Outcome) -> list[dict]:
         delta = self.text.update(out.output, final=True)
-        last = self._choice(delta, finish_reason(self.text, out.output))
+        last = self._choice(delta, self.finish_reason(out.output))
         opts = self.req.stream_options
         if opts is not None and opts.include_usage:
             return [data(self._body([last])), data(self._body([], out))]
@@ -64,7 +54,7 @@ class TextReply(Reply):
 
     def body(self, out: Outcome) -> dict:
         self.text.update(out.output, final=True)
-        fin = finish_reason(self.text, out.output)
+        fin = self.finish_reason(out.output)
         return self._body([self._choice(self.text.text, fin)], out)
 
 

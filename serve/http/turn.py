@@ -44,9 +44,37 @@ class Outcome:
 
 class Reply:
     """How a route words a turn's answer (subclassed per route). `field`: the request field
-    an engine error names."""
+    an engine error names; `text`, `req` and `key`: the turn's output text, request and
+    session, which every answer reports."""
 
     field = "messages"
+    text: OutputText
+    req: object
+    key: str | None
+
+    def finish_reason(self, output: list[int]) -> str:
+        """ "stop" for a stop string or token, else "length" (the budget ran out)."""
+        stopped = self.text.stopped or (output and output[-1] in self.text.stop_ids)
+        return "stop" if stopped else "length"
+
+    def leyline(self, prompt, output, directives=()) -> dict:
+        """The answer's `leyline` object: the session, the token directives the turn carried
+        and, when asked, the prompt's and the output's token ids."""
+        extra: dict = {"session_id": self.key}
+        if directives:
+            extra["directives"] = [
+                {
+                    "start": d.start,
+                    "end": d.end,
+                    "replacement_tokens": len(d.replacement),
+                    "mode": d.mode.name.lower(),
+                }
+                for d in directives
+            ]
+        if self.req.options.return_token_ids:
+            extra["prompt_token_ids"] = list(prompt)
+            extra["output_token_ids"] = list(output)
+        return extra
 
     def opening(self) -> list[dict]:  # SSE events before the first delta
         return []
@@ -90,31 +118,6 @@ def session_headers(key: str | None) -> dict:
 def data(obj) -> dict:
     """One SSE event carrying `obj` as JSON."""
     return {"data": json.dumps(obj, ensure_ascii=False)}
-
-
-def finish_reason(text: OutputText, output: list[int]) -> str:
-    """ "stop" for a stop string or token, else "length" (the budget ran out)."""
-    return "stop" if text.stopped or (output and output[-1] in text.stop_ids) else "length"
-
-
-def leyline_extra(req, key, prompt, output, directives=()) -> dict:
-    """The answer's `leyline` object: the session, the token directives the turn carried and,
-    when asked, the prompt's and the output's token ids."""
-    extra: dict = {"session_id": key}
-    if directives:
-        extra["directives"] = [
-            {
-                "start": d.start,
-                "end": d.end,
-                "replacement_tokens": len(d.replacement),
-                "mode": d.mode.name.lower(),
-            }
-            for d in directives
-        ]
-    if req.options.return_token_ids:
-        extra["prompt_token_ids"] = list(prompt)
-        extra["output_token_ids"] = list(output)
-    return extra
 
 
 class Turns:
