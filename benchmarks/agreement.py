@@ -20,7 +20,6 @@ language behaviour).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 
@@ -28,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import leyline_jax as ll
+from benchmarks import harness
 from benchmarks.fidelity import follows
 from checkpoints.tiny import TINY_HF_CONFIGS, write_random_checkpoint
 
@@ -76,11 +76,11 @@ def run(model, scenarios: int, max_attempts: int) -> dict:
     }
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scenarios", type=int, default=100)
     ap.add_argument("--max-attempts", type=int, default=3000)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=None, help="write the results (per family) as JSON here")
     args = ap.parse_args(argv)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -95,9 +95,8 @@ def main(argv=None) -> None:
                 f"{r['neither']:3d}",
                 flush=True,
             )
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
+    harness.save_json(args.out, results)
+    return results
 
 
 if __name__ == "__main__":

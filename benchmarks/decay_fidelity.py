@@ -46,7 +46,6 @@ import signal
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import leyline_jax as ll
@@ -57,10 +56,11 @@ from benchmarks.fidelity import (
     follows,
     greedy,
     kl,
-    load,
     pct_ci,
+    progress,
     save,
     scenario,
+    setup,
     spread,
     wilson,
 )
@@ -92,10 +92,8 @@ def budget(fraction: float, span: tuple[int, int]) -> int:
 
 def directives(arm: str, spans, stub) -> list[ll.Directive]:
     """The edit an arm applies to the cached context (one directive per evicted span)."""
-    if arm == "forget":
-        return [ll.Directive(s, e, stub, ll.Mode.FORGET) for s, e in spans]
-    if arm == "amortize":
-        return [ll.Directive(s, e, stub, ll.Mode.AMORTIZE) for s, e in spans]
+    if arm in ("forget", "amortize"):
+        return [ll.Directive(s, e, stub, ll.Mode(arm)) for s, e in spans]
     f = FRACTIONS[ARMS.index(arm) - 3]
     return [ll.Directive(s, e, stub, ll.Mode.DECAY, budget=budget(f, (s, e))) for s, e in spans]
 
@@ -228,13 +226,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--scenarios", type=int, default=100, help="disagreeing scenarios wanted")
     ap.add_argument("--max-attempts", type=int, default=400)
     ap.add_argument("--recall", type=int, default=100, help="evicted-fact questions answered")
-    ap.add_argument("--model", default=None, help="a .gguf file (default: SmolLM2-135M)")
-    ap.add_argument("--out", default=None, help="write OUT.json and OUT.md")
-    args = ap.parse_args(argv)
-    path, model, chat = load(args.model)
-    state = ll.init_state(
-        model.config, num_pages=512, page_size=16, max_seqs=len(ARMS), kv_dtype=jnp.float32
-    )
+    args, path, model, chat, state = setup(ap, argv, max_seqs=len(ARMS), num_pages=512)
     t0 = time.perf_counter()
     state, *_ = run_scenario(model, state, scenario(0, chat), RECALL_TOKENS)  # warm-up
     warmup = time.perf_counter() - t0
@@ -249,12 +241,7 @@ def main(argv=None) -> dict:
         want_recall = sc[5] and len(n.hits["full"]) < args.recall
         state, *measured = run_scenario(model, state, sc, RECALL_TOKENS if want_recall else 1)
         n.add(sc, *measured, n.kept < args.scenarios, want_recall, chat)
-        if n.attempts % 20 == 0:
-            print(
-                f"{n.attempts} tried, {n.kept} disagreeing, {len(n.hits['full'])} recall, "
-                f"{time.perf_counter() - t0:.0f} s",
-                flush=True,
-            )
+        progress(n.attempts, n.kept, len(n.hits["full"]), t0)
     res = n.result(path, stop.requested, time.perf_counter() - t0, warmup)
     print(json.dumps(res, indent=2))
     save(args.out, res, markdown)
@@ -285,32 +272,23 @@ def markdown(r: dict) -> str:
         if arm != "questions"
     ]
     kls = [[arm, *(f"{v[q]:.3f}" for q in ("median", "mean", "p90"))] for arm, v in k.items()]
+    caption_a = f"(a) first token where full and FORGET disagree ({a['scenarios']} scenarios):"
+    caption_b = f"(b) evicted-fact recall ({rc['questions']} questions; answer in {RECALL_TOKENS} "
+    caption_b += "greedy tokens); of full = the arm's hits over full's (paired bootstrap 95%):"
+    caption_c = "(c) KL(full || arm) of the next-token distribution, nats "
+    caption_c += f"({r['attempts']} scenarios):"
+    caption_d = "(d) KV held and the edit's cost (means of tokens; evicted spans hold "
+    caption_d += f"{kv['evicted_span_tokens_mean']:.1f} tokens on average; apply_directives wall "
+    caption_d += "time, after a warm-up scenario):"
+    header_d = ["arm", "context tokens", "evicted-span tokens kept", "apply median", "apply p90"]
     lines = [
         f"Model `{r['model'].split('/')[-1]}`, {r['attempts']} scenarios tried, {r['seconds']} s "
         f"(plus a {r['warmup_seconds']} s warm-up scenario)"
         + ("; stopped early by a signal." if r["stopped_early"] else "."),
-        "",
-        f"(a) first token where full and FORGET disagree ({a['scenarios']} scenarios):",
-        "",
-        *harness.table(["arm", "= full", "= FORGET", "neither"], agree),
-        "",
-        f"(b) evicted-fact recall ({rc['questions']} questions; answer in {RECALL_TOKENS} greedy "
-        "tokens); of full = the arm's hits over full's (paired bootstrap 95%):",
-        "",
-        *harness.table(["arm", "recall", "of full"], recall),
-        "",
-        f"(c) KL(full || arm) of the next-token distribution, nats ({r['attempts']} scenarios):",
-        "",
-        *harness.table(["arm", "median", "mean", "p90"], kls),
-        "",
-        "(d) KV held and the edit's cost (means of tokens; evicted spans hold "
-        f"{kv['evicted_span_tokens_mean']:.1f} tokens on average; apply_directives wall time, "
-        "after a warm-up scenario):",
-        "",
-        *harness.table(
-            ["arm", "context tokens", "evicted-span tokens kept", "apply median", "apply p90"],
-            [held(arm) for arm in ARMS],
-        ),
+        *harness.section(caption_a, ["arm", "= full", "= FORGET", "neither"], agree),
+        *harness.section(caption_b, ["arm", "recall", "of full"], recall),
+        *harness.section(caption_c, ["arm", "median", "mean", "p90"], kls),
+        *harness.section(caption_d, header_d, [held(arm) for arm in ARMS]),
         "",
     ]
     return "\n".join(lines)

@@ -22,18 +22,24 @@ prefill caches) against Δ · inv_freq.
 from __future__ import annotations
 
 import argparse
-import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import harness
 from pallas_kernels.splice_rotate import splice_rotate_ref
 
 DR = 64
 THETA = 10000.0
 CHECKPOINTS = (1, 10, 100, 1000)
 MAX_POS = 100_000
+
+
+def _rotate(x, cos, sin, xp=np):
+    """`x` (halves layout) rotated by the angles whose cosines and sines are given."""
+    h = x.shape[-1] // 2
+    return xp.concatenate([x[:, :h] * cos - x[:, h:] * sin, x[:, h:] * cos + x[:, :h] * sin], -1)
 
 
 def inv_freq32() -> np.ndarray:
@@ -44,21 +50,14 @@ def inv_freq32() -> np.ndarray:
 
 def rope64(x: np.ndarray, pos: np.ndarray) -> np.ndarray:
     """Exact float64 RoPE (halves layout) with float64 phases."""
-    inv = 1.0 / THETA ** (np.arange(0, DR, 2) / DR)
-    ph = pos.astype(np.float64)[:, None] * inv
-    h = DR // 2
-    c, s = np.cos(ph), np.sin(ph)
-    return np.concatenate([x[:, :h] * c - x[:, h:] * s, x[:, h:] * c + x[:, :h] * s], -1)
+    ph = pos.astype(np.float64)[:, None] * (1.0 / THETA ** (np.arange(0, DR, 2) / DR))
+    return _rotate(x, np.cos(ph), np.sin(ph))
 
 
 def embed_fp32(x: np.ndarray, pos: np.ndarray, dtype) -> jnp.ndarray:
     """What a fresh prefill caches: fp32 phases, fp32 math, cast to storage."""
     ph = pos.astype(np.float32)[:, None] * inv_freq32()
-    h = DR // 2
-    x = x.astype(np.float32)
-    c, s = np.cos(ph), np.sin(ph)
-    k = np.concatenate([x[:, :h] * c - x[:, h:] * s, x[:, h:] * c + x[:, :h] * s], -1)
-    return jnp.asarray(k, dtype)
+    return jnp.asarray(_rotate(x.astype(np.float32), np.cos(ph), np.sin(ph)), dtype)
 
 
 def _rel_l2(k, ref) -> float:
@@ -81,9 +80,7 @@ def _step_bf16_math(k, pos_from, pos_to, inv):
     b = (pos_to.astype(jnp.float32)[:, None] * inv).astype(bf)
     cos = jnp.cos(b) * jnp.cos(a) + jnp.sin(b) * jnp.sin(a)
     sin = jnp.sin(b) * jnp.cos(a) - jnp.cos(b) * jnp.sin(a)
-    h = k.shape[-1] // 2
-    x1, x2 = k[:, :h].astype(bf), k[:, h:].astype(bf)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(k.dtype)
+    return _rotate(k.astype(bf), cos, sin, jnp).astype(k.dtype)
 
 
 ARMS = {
@@ -111,13 +108,9 @@ def drift(keys: int, seed: int) -> list[dict]:
                 pos = new
             done = n
             ref = rope64(x, pos)
+            fresh = _rel_l2(embed_fp32(x, pos, dtype), ref)
             rows.append(
-                dict(
-                    arm=arm,
-                    splices=n,
-                    rel_l2=_rel_l2(k, ref),
-                    fresh_prefill_rel_l2=_rel_l2(embed_fp32(x, pos, dtype), ref),
-                )
+                dict(arm=arm, splices=n, rel_l2=_rel_l2(k, ref), fresh_prefill_rel_l2=fresh)
             )
     return rows
 
@@ -138,12 +131,7 @@ def phase_methods(keys: int, seed: int) -> list[dict]:
             k, jnp.asarray(pos, jnp.int32), jnp.asarray(new, jnp.int32), jnp.asarray(inv)
         )
         ang = (delta.astype(np.float32)[:, None] * inv).astype(np.float32)
-        h = DR // 2
-        kk = np.asarray(k)
-        c, s = np.cos(ang), np.sin(ang)
-        by_delta = np.concatenate(
-            [kk[:, :h] * c - kk[:, h:] * s, kk[:, h:] * c + kk[:, :h] * s], -1
-        )
+        by_delta = _rotate(np.asarray(k), np.cos(ang), np.sin(ang))
         fresh = np.asarray(embed_fp32(x, new, jnp.float32), np.float64)
         exact = rope64(x, new)
         rows.append(
@@ -183,9 +171,7 @@ def main(argv=None) -> None:
             f"{r['phase_diff_vs_exact']:16.3e} {r['delta_inv_vs_exact']:15.3e} "
             f"{r['fresh_vs_exact']:15.3e}"
         )
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"drift": rows, "phase_methods": phases}, f, indent=2)
+    harness.save_json(args.out, {"drift": rows, "phase_methods": phases})
 
 
 if __name__ == "__main__":

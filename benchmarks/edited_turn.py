@@ -24,7 +24,7 @@ engine defaults (bf16 c_kv, fp32 k_pe, page 16).
 from __future__ import annotations
 
 import argparse
-import json
+import functools
 import statistics
 import tempfile
 
@@ -42,6 +42,41 @@ CONFIG = dict(harness.BENCH_HF_CONFIG, hidden_size=256, intermediate_size=1024, 
 ENGINE = dict(num_pages=1024, page_size=16, max_seqs=4, max_seq_len=8192)
 
 
+def edited(history: list[int], new: list[int]) -> list[int]:
+    return history[:START] + new + history[END:]
+
+
+def one_round(model, engines: dict, cold: Engine, context, new) -> dict[str, float]:
+    """Seconds of every arm, once each, in turn."""
+    one, out = SamplingParams(max_new_tokens=1), {}
+
+    def turn(engine: Engine, session: int, prompt: list[int], mode=None):
+        """One token's turn: `prompt` appended to the session, or (`mode`) its whole prompt."""
+        if mode is None:
+            return engine.submit(session, prompt, sampling=one).result()
+        return engine.submit_prompt(session, prompt, mode=mode, sampling=one).result()
+
+    for arm, engine in engines.items():
+        s = engine.open_session()
+        turn(engine, s, context)
+        prompt = edited(engine.sessions[s].tokens, new)
+        out[arm] = harness.timed(functools.partial(turn, engine, s, prompt, ll.Mode(arm)))
+        engine.close_session(s)
+    prompt = edited(context + [0], new)
+    for arm, p in (("cold", prompt), ("cold_prefix", prompt[:START])):
+        s = cold.open_session()
+        out[arm] = harness.timed(functools.partial(turn, cold, s, p))
+        cold.close_session(s)
+    # the splice and one decode step alone, on a paged state
+    state = ll.init_state(model.config, num_pages=600, page_size=16, max_seqs=1)
+    state, _ = ll.prefill(model, state, 0, context + [0])
+    jax.block_until_ready(state.pools)
+    edit = ll.Directive(START, END, new)
+    state, out["splice"] = harness.clocked(lambda: ll.apply_directive(model, state, 0, edit))
+    out["decode"] = harness.timed(lambda: paged.decode(model, state, [0], [1]))
+    return out
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=7)
@@ -51,58 +86,17 @@ def main(argv=None) -> dict:
     rng = np.random.default_rng(0)
     context = rng.integers(0, CONFIG["vocab_size"], CONTEXT).tolist()
     new = rng.integers(0, CONFIG["vocab_size"], NEW).tolist()
-    one = SamplingParams(max_new_tokens=1)
-    edit = ll.Directive(START, END, new)
-
-    def edited(history):
-        return history[:START] + new + history[END:]
-
-    times: dict[str, list[float]] = {
-        k: [] for k in ("amortize", "forget", "cold", "cold_prefix", "splice", "decode")
-    }
     engines = {m: Engine(model, **ENGINE) for m in ("amortize", "forget")}
     cold = Engine(model, radix=False, **ENGINE)
-    for i in range(args.repeats + 1):  # the first round compiles
-        for arm, mode in (("amortize", ll.Mode.AMORTIZE), ("forget", ll.Mode.FORGET)):
-            engine = engines[arm]
-            s = engine.open_session()
-            engine.submit(s, context, sampling=one).result()
-            prompt = edited(engine.sessions[s].tokens)
-            t = harness.timed(
-                lambda e=engine, s=s, p=prompt, m=mode: e.submit_prompt(
-                    s, p, mode=m, sampling=one
-                ).result()
-            )
-            engine.close_session(s)
-            if i:
-                times[arm].append(t)
-        s = cold.open_session()
-        prompt = edited(context + [0])
-        t = harness.timed(lambda s=s, p=prompt: cold.submit(s, p, sampling=one).result())
-        cold.close_session(s)
-        s = cold.open_session()
-        tp = harness.timed(lambda s=s, p=prompt[:START]: cold.submit(s, p, sampling=one).result())
-        cold.close_session(s)
-        # the splice and one decode step alone, on a paged state
-        state = ll.init_state(model.config, num_pages=600, page_size=16, max_seqs=1)
-        state, _ = ll.prefill(model, state, 0, context + [0])
-        jax.block_until_ready(state.pools)
-        state, ts = harness.clocked(lambda s=state: ll.apply_directive(model, s, 0, edit))
-        td = harness.timed(lambda s=state: paged.decode(model, s, [0], [1]))
-        if i:
-            times["cold"].append(t)
-            times["cold_prefix"].append(tp)
-            times["splice"].append(ts)
-            times["decode"].append(td)
+    rounds = [one_round(model, engines, cold, context, new) for _ in range(args.repeats + 1)]
+    times = {k: [r[k] for r in rounds[1:]] for k in rounds[0]}  # the first round compiles
     med = {k: statistics.median(v) for k, v in times.items()}
     med["amortize / (splice + decode)"] = med["amortize"] / (med["splice"] + med["decode"])
     med["forget / (cold - cold_prefix)"] = med["forget"] / (med["cold"] - med["cold_prefix"])
     med["forget / cold"] = med["forget"] / med["cold"]
     for k, v in med.items():
         print(f"{k:40s} {v * 1000:10.1f} ms" if "/" not in k else f"{k:40s} {v:10.2f}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"medians_s": med, "runs_s": times, "repeats": args.repeats}, f, indent=1)
+    harness.save_json(args.out, {"medians_s": med, "runs_s": times, "repeats": args.repeats}, 1)
     return med
 
 

@@ -48,7 +48,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import leyline_jax as ll
-from benchmarks.harness import table
+from benchmarks import harness
+from benchmarks.harness import section
 from leyline_jax import gguf, paged
 
 NAMES = [
@@ -80,20 +81,17 @@ SYSTEM = "You are a helpful assistant for an online store. Use the tools to answ
 TASK = "I need details about some customers and their orders. Look them up, then answer."
 
 
+WORDS = (  # the word list each field draws from
+    dict.fromkeys(("name", "customer"), NAMES)
+    | dict.fromkeys(("city", "origin", "destination"), CITIES)
+    | dict(status=STATUSES, product=PRODUCTS, carrier=CARRIERS, tier=TIERS)
+)
+
+
 def _value(field: str, rng) -> str:
     """A random value for a record field (fixed word lists and formats)."""
-    if field in ("name", "customer"):
-        return str(rng.choice(NAMES))
-    if field in ("city", "origin", "destination"):
-        return str(rng.choice(CITIES))
-    if field == "status":
-        return str(rng.choice(STATUSES))
-    if field == "product":
-        return str(rng.choice(PRODUCTS))
-    if field == "carrier":
-        return str(rng.choice(CARRIERS))
-    if field == "tier":
-        return str(rng.choice(TIERS))
+    if field in WORDS:
+        return str(rng.choice(WORDS[field]))
     if field == "amount":
         return f"${int(rng.integers(12, 900))}.{int(rng.integers(0, 100)):02d}"
     if field in ("member_since", "ship_date", "due_date"):
@@ -215,17 +213,32 @@ def greedy(model, state, seqs: list[int], prompts, tokens: int):
     return state, logits, outs
 
 
-def load(path: str | None) -> tuple[str, object, Chat]:
-    """(path, model, its `Chat`) of a .gguf file (default: SmolLM2-135M-Instruct's)."""
-    path = path or str(gguf.smollm2_path())
-    return path, ll.load_model(path), Chat(gguf.gguf_tokenizer(path))
+def progress(attempts: int, kept: int, recalls: int, t0: float) -> None:
+    """Every 20 scenarios tried: how far the study is (`t0`: its start)."""
+    if attempts % 20 == 0:
+        s = time.perf_counter() - t0
+        print(f"{attempts} tried, {kept} disagreeing, {recalls} recall, {s:.0f} s", flush=True)
+
+
+def setup(ap: argparse.ArgumentParser, argv, max_seqs: int, num_pages: int) -> tuple:
+    """The studies' start: `--model` and `--out` added to `ap`, the arguments parsed, the model
+    (a .gguf file, default SmolLM2-135M-Instruct's) loaded and an empty fp32 paged state made
+    for it: (args, path, model, its `Chat`, state)."""
+    ap.add_argument("--model", default=None, help="a .gguf file (default: SmolLM2-135M)")
+    ap.add_argument("--out", default=None, help="write OUT.json and OUT.md")
+    args = ap.parse_args(argv)
+    path = args.model or str(gguf.smollm2_path())
+    model, chat = ll.load_model(path), Chat(gguf.gguf_tokenizer(path))
+    state = ll.init_state(
+        model.config, num_pages=num_pages, page_size=16, max_seqs=max_seqs, kv_dtype=jnp.float32
+    )
+    return args, path, model, chat, state
 
 
 def save(out: str | None, result: dict, markdown) -> None:
     """OUT.json and OUT.md (`markdown(result)`) when `out` is given: the studies' files."""
     if out:
-        with open(f"{out}.json", "w") as f:
-            json.dump(result, f, indent=2)
+        harness.save_json(f"{out}.json", result)
         with open(f"{out}.md", "w") as f:
             f.write(markdown(result))
 
@@ -250,11 +263,8 @@ def run_scenario(model, state, sc, decode: int):
     return state, logits, outs
 
 
-def study(args, model, chat: Chat) -> dict:
+def study(args, model, chat: Chat, state) -> dict:
     """Scenarios until the command line's counts are reached: what (a)-(d) count."""
-    state = ll.init_state(
-        model.config, num_pages=256, page_size=16, max_seqs=3, kv_dtype=jnp.float32
-    )
     agree = {"agree_full": 0, "agree_forget": 0, "neither": 0}
     recall = {a: 0 for a in ARMS}
     kls = {"forget": [], "amortize": []}
@@ -289,12 +299,7 @@ def study(args, model, chat: Chat) -> dict:
                 same = [a == b for a, b in zip(outs[0][:32], outs[j][:32], strict=True)]
                 cont[arm].append(float(np.mean(same)))
                 cont_equal[arm] += all(same)
-        if attempts % 20 == 0:
-            print(
-                f"{attempts} tried, {kept} disagreeing, {recall_n} recall, "
-                f"{time.perf_counter() - t0:.0f} s",
-                flush=True,
-            )
+        progress(attempts, kept, recall_n, t0)
     return dict(
         agree=agree, recall=recall, recall_n=recall_n, kls=kls, cont=cont, cont_equal=cont_equal,
         kept=kept, attempts=attempts, seconds=time.perf_counter() - t0,
@@ -337,11 +342,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-attempts", type=int, default=1200)
     ap.add_argument("--recall", type=int, default=100, help="evicted-fact questions answered")
     ap.add_argument("--continuations", type=int, default=40, help="32-token continuations")
-    ap.add_argument("--model", default=None, help="a .gguf file (default: SmolLM2-135M)")
-    ap.add_argument("--out", default=None, help="write OUT.json and OUT.md")
-    args = ap.parse_args(argv)
-    path, model, chat = load(args.model)
-    res = results(path, study(args, model, chat))
+    args, path, model, chat, state = setup(ap, argv, max_seqs=3, num_pages=256)
+    res = results(path, study(args, model, chat, state))
     print(json.dumps(res, indent=2))
     save(args.out, res, markdown)
     return res
@@ -349,42 +351,23 @@ def main(argv=None) -> dict:
 
 def markdown(r: dict) -> str:
     a, rc, k, c = r["agreement"], r["recall"], r["kl_from_full"], r["continuations"]
+    agree = [pct_ci(a[f"rate_{x}"], a[f"ci_{x}"]) for x in ("full", "forget", "neither")]
+    recall = [pct_ci(rc[f"rate_{x}"], rc[f"ci_{x}"]) for x in ("full", "amortize", "forget")]
+    kls = [[arm, *(f"{v[s]:.3f}" for s in ("median", "mean", "p90"))] for arm, v in k.items()]
+    conts = [[arm, f"{v['token_agreement']:.0%}", str(v["identical"])] for arm, v in c.items()]
+    caption_a = f"(a) first token where full and FORGET disagree ({a['scenarios']} scenarios):"
+    caption_b = f"(b) evicted-fact recall ({rc['questions']} questions; answer in {RECALL_TOKENS} "
+    caption_b += "greedy tokens):"
+    caption_c = "(c) KL(full || arm) of the next-token distribution, nats "
+    caption_c += f"({k['amortize']['scenarios']} scenarios):"
+    caption_d = f"(d) 32-token greedy continuations ({c['amortize']['scenarios']} scenarios):"
+    header_d = ["arm", "tokens equal to full's", "continuations identical"]
     lines = [
         f"Model `{r['model'].split('/')[-1]}`, {r['attempts']} scenarios tried, {r['seconds']} s.",
-        "",
-        f"(a) first token where full and FORGET disagree ({a['scenarios']} scenarios):",
-        "",
-        *table(
-            ["AMORTIZE = full", "AMORTIZE = FORGET", "neither"],
-            [[pct_ci(a[f"rate_{x}"], a[f"ci_{x}"]) for x in ("full", "forget", "neither")]],
-            "lll",
-        ),
-        "",
-        f"(b) evicted-fact recall ({rc['questions']} questions; answer in {RECALL_TOKENS} greedy "
-        "tokens):",
-        "",
-        *table(
-            ["full", "AMORTIZE", "FORGET"],
-            [[pct_ci(rc[f"rate_{x}"], rc[f"ci_{x}"]) for x in ("full", "amortize", "forget")]],
-            "lll",
-        ),
-        "",
-        "(c) KL(full || arm) of the next-token distribution, nats "
-        f"({k['amortize']['scenarios']} scenarios):",
-        "",
-        *table(
-            ["arm", "median", "mean", "p90"],
-            [[arm, *(f"{v[s]:.3f}" for s in ("median", "mean", "p90"))] for arm, v in k.items()],
-            "llll",
-        ),
-        "",
-        f"(d) 32-token greedy continuations ({c['amortize']['scenarios']} scenarios):",
-        "",
-        *table(
-            ["arm", "tokens equal to full's", "continuations identical"],
-            [[arm, f"{v['token_agreement']:.0%}", str(v["identical"])] for arm, v in c.items()],
-            "lll",
-        ),
+        *section(caption_a, ["AMORTIZE = full", "AMORTIZE = FORGET", "neither"], [agree], "lll"),
+        *section(caption_b, ["full", "AMORTIZE", "FORGET"], [recall], "lll"),
+        *section(caption_c, ["arm", "median", "mean", "p90"], kls, "llll"),
+        *section(caption_d, header_d, conts, "lll"),
         "",
     ]
     return "\n".join(lines)

@@ -11,13 +11,15 @@ Floors: the rates a benchmark holds its work to, measured in its own run, each a
 samples: `copy_bandwidth` (an fp32 `x + 1` pass in place on a donated buffer and, with
 `fresh`, into a new one; read + write counted), `read_bandwidth` (a reduction),
 `memcpy_bandwidth` (numpy's copy between two host buffers) and `matmul_rate` (an n x n x n
-matmul of random values).
+matmul of random values). `beside`: a row's rates against its floor and Hugging Face's.
 
-`table`: the lines of one markdown table. `BENCH_HF_CONFIG`: the CPU benchmarks' model.
+`table`: the lines of one markdown table, `section` one under its caption; `save_json`: a
+result file. `BENCH_HF_CONFIG`: the CPU benchmarks' model.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from collections.abc import Callable
@@ -28,33 +30,19 @@ import numpy as np
 
 from checkpoints.tiny import TINY_HF_CONFIGS
 
-# DeepSeek-V2-Lite attention shapes with few layers. Dense MLPs (intermediate 4096) and a 32k
-# vocabulary keep CPU runs short; attention and the cache are what these benchmarks measure.
-BENCH_HF_CONFIG = dict(
-    TINY_HF_CONFIGS["deepseek_v2"],
-    vocab_size=32000,
-    hidden_size=2048,
-    num_attention_heads=16,
-    num_key_value_heads=16,
-    kv_lora_rank=512,
-    q_lora_rank=None,
-    qk_rope_head_dim=64,
-    qk_nope_head_dim=128,
-    v_head_dim=128,
-    intermediate_size=4096,
-    num_hidden_layers=2,
-    first_k_dense_replace=2,
-    max_position_embeddings=163840,  # = factor x original, as V2-Lite
-    initializer_range=0.02,
-    rope_scaling=dict(
-        type="yarn",
-        factor=40.0,
-        original_max_position_embeddings=4096,
-        beta_fast=32,
-        beta_slow=1,
-        mscale=0.707,
-        mscale_all_dim=0.707,
-    ),
+# DeepSeek-V2-Lite attention shapes with few layers, over the tiny deepseek_v2 config. Dense
+# MLPs (intermediate 4096, both layers dense) and a 32k vocabulary keep CPU runs short; attention
+# and the cache are what these benchmarks measure. YaRN as V2-Lite's (the tiny config's betas).
+_TINY_V2 = TINY_HF_CONFIGS["deepseek_v2"]
+_YARN = dict(factor=40.0, original_max_position_embeddings=4096, mscale=0.707, mscale_all_dim=0.707)
+BENCH_HF_CONFIG = (
+    _TINY_V2
+    | dict(vocab_size=32000, hidden_size=2048, intermediate_size=4096, initializer_range=0.02)
+    | dict(num_hidden_layers=2, first_k_dense_replace=2)
+    | dict(num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512)
+    | dict(qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
+    | dict(max_position_embeddings=163840)  # = factor x original, as V2-Lite
+    | dict(rope_scaling=_TINY_V2["rope_scaling"] | _YARN)
 )
 
 
@@ -154,6 +142,26 @@ def matmul_rate(n: int = 2048, dtype=jnp.float32, *, iters: int = 1) -> float:
     return 2 * n**3 / median_time(lambda: mm(a), iters=iters)
 
 
+def beside(size: int, ours: float, floor: float, theirs: float | None) -> dict:
+    """Tokens/s of `size` tokens done in `ours` seconds, beside the floor's and Hugging Face's
+    (`theirs` seconds; None where it did not run), and the ratios."""
+    return dict(
+        ours_tok_s=size / ours,
+        hf_tok_s=size / theirs if theirs else None,
+        floor_tok_s=size / floor,
+        speedup_vs_hf=theirs / ours if theirs else None,
+        ours_over_floor=ours / floor,
+    )
+
+
+# ---- files ---------------------------------------------------------------------------------------
+def save_json(path: str | None, data, indent: int = 2) -> None:
+    """`data` as JSON in `path` (nothing when `path` is empty: no `--out`)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(data, f, indent=indent)
+
+
 # ---- markdown -----------------------------------------------------------------------------------
 def table(header: list[str], rows, align: str | None = None) -> list[str]:
     """The lines of a markdown table: `header`, then a line per row (cells already formatted as
@@ -162,3 +170,8 @@ def table(header: list[str], rows, align: str | None = None) -> list[str]:
     align = align or "l" + "r" * (len(header) - 1)
     rule = "|" + "|".join("---:" if a == "r" else "---" for a in align) + "|"
     return ["| " + " | ".join(header) + " |", rule, *("| " + " | ".join(r) + " |" for r in rows)]
+
+
+def section(caption: str, header: list[str], rows, align: str | None = None) -> list[str]:
+    """One part of a markdown report: a blank line, `caption`, a blank line, the table."""
+    return ["", caption, "", *table(header, rows, align)]

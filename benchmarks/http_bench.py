@@ -58,6 +58,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import cProfile
+import dataclasses
 import http.client
 import json
 import pstats
@@ -65,6 +66,7 @@ import statistics
 import sys
 import threading
 import time
+import types
 import urllib.request
 
 import jax
@@ -85,6 +87,35 @@ MODEL = "tiny"
 SYSTEM = "You are a terse assistant. Tool results arrive in tool messages."
 HTTP_ARMS = ("openai", "stream", "raw")
 CPU_COLUMNS = ("loop", "engine", "clients", "main", "process")
+EXTRA = {"leyline": {"return_token_ids": True}}  # every HTTP request's extra body
+FIELDS = (("latency", ""), ("ttft", "ttft_"), ("ttfc", "ttfc_"))  # a record's times, key prefix
+SEGMENTS = {  # an openai or raw turn's time, split by the server's timestamps: (from, to)
+    "pre": ("t0", "arrived"),
+    "handoff": ("arrived", "submitted"),
+    "engine": ("submitted", "finished"),
+    "post": ("finished", "t1"),
+}
+
+
+@dataclasses.dataclass
+class Rig:
+    """What every workload runs on: the in-process arm's engine, the tokenizer, the server (its
+    engine is the other one) with the timestamps it logs (`hook_server_log`), the client."""
+
+    engine: Engine
+    tok: ModVocabTokenizer
+    server: ServerThread
+    client: object  # one shared official openai client
+    server_log: dict  # session key -> the server's timestamps of each finished turn
+    ctx: dict  # "loop": the server's event loop
+    turns: int
+    max_tokens: int
+
+    def run(self, arm: str, c: int, tag: str, profiles: list | None = None) -> dict:
+        """One workload: {records (per session, per turn), wall, cpu (seconds per turn)}."""
+        if arm == "inproc":
+            return run_inproc(self, c, tag)
+        return run_http(self, arm, c, tag, profiles)
 
 
 def conversation(i: int, turn: int) -> list[dict]:
@@ -102,6 +133,11 @@ def pct(xs, q: float) -> float:
     return float(np.percentile(np.asarray(xs, np.float64), q)) if xs else float("nan")
 
 
+def connect(url: str, timeout: float) -> http.client.HTTPConnection:
+    host, port = url.removeprefix("http://").split(":")
+    return http.client.HTTPConnection(host, int(port), timeout=timeout)
+
+
 def first_content(tok, output: list[int]) -> int | None:
     """Index of the token whose arrival lets the server stream its first content (the
     server's `OutputText` holds back an incomplete UTF-8 character: with the tiny model's ids
@@ -114,182 +150,141 @@ def first_content(tok, output: list[int]) -> int | None:
 
 
 # ---- the in-process arm -----------------------------------------------------------------------
-def run_inproc(engine: Engine, tok, c: int, turns: int, max_tokens: int, tag: str) -> dict:
-    """C sessions in lockstep: per turn, render all, submit all, step until all are done."""
-    replies = ReplyMemory()
-    sp = SamplingParams(max_new_tokens=max_tokens, temperature=0.0, stop_tokens=tok.stop_tokens)
+def run_inproc(rig: Rig, c: int, tag: str) -> dict:
+    """C sessions in lockstep: per turn, render all, submit all together, step until all are
+    done (as the server's worker steps them)."""
+    engine, tok, replies = rig.engine, rig.tok, ReplyMemory()
+    sp = SamplingParams(max_new_tokens=rig.max_tokens, temperature=0.0, stop_tokens=tok.stop_tokens)
     keys = [f"{tag}-{i}" for i in range(c)]
     sids = [engine.open_session() for _ in range(c)]
     msgs = [[{"role": "system", "content": SYSTEM}] for _ in range(c)]
-    recs = {k: [] for k in keys}
-    cpu0, proc0 = time.thread_time(), time.process_time()
-    t_start = time.perf_counter()
-    for t in range(turns):
+    recs: list[list[dict]] = [[] for _ in range(c)]
+    cpu0, proc0, t_start = time.thread_time(), time.process_time(), time.perf_counter()
+    for t in range(rig.turns):
         prompts = []
         for i in range(c):
             msgs[i] += conversation(i, t)
             prompts.append(replies.substitute(keys[i], msgs[i], chat.render(tok, msgs[i])).tokens)
-        reqs = [
-            engine.submit_prompt(sids[i], prompts[i], sampling=sp) for i in range(c)
-        ]  # submitted together
-        times: list[list[float]] = [[] for _ in reqs]  # when each token was seen
+        reqs = [engine.submit_prompt(sids[i], prompts[i], sampling=sp) for i in range(c)]
+        seen: list[list[float]] = [[] for _ in reqs]  # when each token was seen
         while not all(r.finished for r in reqs):
             engine.step()
             now = time.perf_counter()
-            for r, ts in zip(reqs, times, strict=True):
+            for r, ts in zip(reqs, seen, strict=True):
                 ts.extend([now] * (len(r.output) - len(ts)))
         for i, r in enumerate(reqs):
             if r.error is not None:
                 raise r.error
-            out = list(r.output)
-            text = OutputText(tok, tok.stop_tokens, [], ())
+            out, text = list(r.output), OutputText(tok, tok.stop_tokens, [], ())
             text.update(out, final=True)
             ids = out[:-1] if out and out[-1] in tok.stop_tokens else out
             replies.remember(keys[i], text.text, ids)  # what the server's remember_reply does
             msgs[i].append({"role": "assistant", "content": text.text})
-            k = first_content(tok, out)
-            recs[keys[i]].append(
-                dict(
-                    latency=r.stats.latency_s,
-                    ttft=r.stats.ttft_s,
-                    ttfc=None if k is None else times[i][k] - r.stats.submitted_s,
-                    prompt=prompts[i],
-                    output=out,
-                )
-            )
-    wall = time.perf_counter() - t_start
-    n = c * turns
+            k, st = first_content(tok, out), r.stats
+            ttfc = None if k is None else seen[i][k] - st.submitted_s
+            times = dict(latency=st.latency_s, ttft=st.ttft_s, ttfc=ttfc)
+            recs[i].append(dict(times, prompt=prompts[i], output=out))
+    wall, n = time.perf_counter() - t_start, c * rig.turns
     cpu = dict(main=(time.thread_time() - cpu0) / n, process=(time.process_time() - proc0) / n)
     for s in sids:
         engine.close_session(s)
-    return dict(records=[recs[k] for k in keys], wall=wall, cpu=cpu)
+    return dict(records=recs, wall=wall, cpu=cpu)
 
 
 # ---- the HTTP arms ------------------------------------------------------------------------------
-def ask(arm: str, client, conn, key: str, kw: dict, extra: dict) -> tuple[dict, str, dict]:
+def ask(arm: str, client, conn, key: str, kw: dict) -> tuple[dict, str, dict]:
     """One turn over HTTP: (its record: t0 and t1 around the call, for `stream` TTFC; the
     reply's content; the response's `leyline` field)."""
     headers = {"X-Session-Id": key}
     if arm == "raw":
-        body = json.dumps({**kw, **extra}).encode()
+        body = json.dumps({**kw, **EXTRA}).encode()
         t0 = time.perf_counter()
-        conn.request(
-            "POST", "/v1/chat/completions", body, {"Content-Type": "application/json", **headers}
-        )
+        headers = {"Content-Type": "application/json", **headers}
+        conn.request("POST", "/v1/chat/completions", body, headers)
         resp = conn.getresponse()
         data = json.loads(resp.read())
-        t1 = time.perf_counter()
+        rec = dict(t0=t0, t1=time.perf_counter())
         assert resp.status == 200, data
-        return dict(t0=t0, t1=t1), data["choices"][0]["message"]["content"], data["leyline"]
-    if arm == "openai":
-        t0 = time.perf_counter()
-        r = client.chat.completions.create(**kw, extra_headers=headers, extra_body=extra)
-        t1 = time.perf_counter()
-        return dict(t0=t0, t1=t1), r.choices[0].message.content, r.model_extra["leyline"]
-    parts, ttfc, last = [], None, None
+        return rec, data["choices"][0]["message"]["content"], data["leyline"]
+    create = client.chat.completions.create
     t0 = time.perf_counter()
-    for ch in client.chat.completions.create(
-        **kw, stream=True, extra_headers=headers, extra_body=extra
-    ):
+    if arm == "openai":
+        r = create(**kw, extra_headers=headers, extra_body=EXTRA)
+        rec = dict(t0=t0, t1=time.perf_counter())
+        return rec, r.choices[0].message.content, r.model_extra["leyline"]
+    parts, ttfc, last = [], None, None
+    for ch in create(**kw, stream=True, extra_headers=headers, extra_body=EXTRA):
         if ch.choices and ch.choices[0].delta.content:
             if ttfc is None:
                 ttfc = time.perf_counter() - t0
             parts.append(ch.choices[0].delta.content)
         last = ch
-    t1 = time.perf_counter()
-    return dict(ttfc=ttfc, t0=t0, t1=t1), "".join(parts), last.model_extra["leyline"]
+    rec = dict(ttfc=ttfc, t0=t0, t1=time.perf_counter())
+    return rec, "".join(parts), last.model_extra["leyline"]
 
 
-def http_session(
-    arm, client, url, key, i, turns, max_tokens, barrier, out, errors, cpu, profiles
-) -> None:
-    """Session i over HTTP, one turn after another (the client re-sends the whole history).
-    Adds the thread's CPU seconds to `cpu`; profiles itself when `profiles` is a list."""
-    prof = cProfile.Profile(time.thread_time) if profiles is not None else None
+def http_session(rig: Rig, arm: str, i: int, key: str, out: list, shared) -> None:
+    """Session i over HTTP, one turn after another (the client re-sends the whole history),
+    its records into `out`. Adds the thread's CPU seconds to `shared.cpu`; profiles itself
+    when `shared.profiles` is a list."""
+    prof = cProfile.Profile(time.thread_time) if shared.profiles is not None else None
     try:
         msgs = [{"role": "system", "content": SYSTEM}]
-        conn = None
-        if arm == "raw":
-            host, port = url.removeprefix("http://").split(":")
-            conn = http.client.HTTPConnection(host, int(port), timeout=120)
-        barrier.wait()
+        conn = connect(rig.server.url, 120) if arm == "raw" else None
+        shared.barrier.wait()
         c0 = time.thread_time()
         if prof is not None:
             prof.enable()
-        for t in range(turns):
+        for t in range(rig.turns):
             msgs += conversation(i, t)
-            kw = dict(model=MODEL, messages=msgs, max_tokens=max_tokens, temperature=0)
-            extra = {"leyline": {"return_token_ids": True}}
-            rec, content, ley = ask(arm, client, conn, key, kw, extra)
-            rec.update(
-                latency=rec["t1"] - rec["t0"],
-                prompt=ley["prompt_token_ids"],
-                output=ley["output_token_ids"],
-            )
-            out.append(rec)
+            kw = dict(model=MODEL, messages=msgs, max_tokens=rig.max_tokens, temperature=0)
+            rec, content, ley = ask(arm, rig.client, conn, key, kw)
+            ids = dict(prompt=ley["prompt_token_ids"], output=ley["output_token_ids"])
+            out.append(dict(rec, latency=rec["t1"] - rec["t0"], **ids))
             msgs.append({"role": "assistant", "content": content})
         if prof is not None:
             prof.disable()
-            profiles.append(prof)
-        cpu.append(time.thread_time() - c0)
+            shared.profiles.append(prof)
+        shared.cpu.append(time.thread_time() - c0)
         if conn is not None:
             conn.close()
     except BaseException as e:  # reported by the main thread
-        errors.append((key, repr(e)))
-        barrier.abort()
+        shared.errors.append((key, repr(e)))
+        shared.barrier.abort()
 
 
-def run_http(arm, client, server, c, turns, max_tokens, tag, server_log, profiles=None) -> dict:
+def run_http(rig: Rig, arm: str, c: int, tag: str, profiles: list | None = None) -> dict:
+    """C client threads, one session each, started together; the server's timestamps of each
+    turn joined to its record; the sessions deleted afterwards."""
     keys = [f"{tag}-{i}" for i in range(c)]
-    recs = {k: [] for k in keys}
-    errors: list = []
-    client_cpu: list[float] = []
-    barrier = threading.Barrier(c + 1)
+    recs: list[list[dict]] = [[] for _ in range(c)]
+    shared = types.SimpleNamespace(
+        barrier=threading.Barrier(c + 1), errors=[], cpu=[], profiles=profiles
+    )
     threads = [
-        threading.Thread(
-            target=http_session,
-            args=(
-                arm,
-                client,
-                server.url,
-                keys[i],
-                i,
-                turns,
-                max_tokens,
-                barrier,
-                recs[keys[i]],
-                errors,
-                client_cpu,
-                profiles,
-            ),
-        )  # fmt: skip
+        threading.Thread(target=http_session, args=(rig, arm, i, keys[i], recs[i], shared))
         for i in range(c)
     ]
     for th in threads:
         th.start()
-    loop_thread, engine_thread = server.thread, server.backend.worker.thread
-    l0, e0, p0 = thread_cpu(loop_thread), thread_cpu(engine_thread), time.process_time()
-    barrier.wait()
+    server_threads = dict(loop=rig.server.thread, engine=rig.server.backend.worker.thread)
+    cpu0, p0 = {k: thread_cpu(th) for k, th in server_threads.items()}, time.process_time()
+    shared.barrier.wait()
     t_start = time.perf_counter()
     for th in threads:
         th.join(600)
-    wall = time.perf_counter() - t_start
-    n = c * turns
-    cpu = dict(
-        loop=(thread_cpu(loop_thread) - l0) / n,
-        engine=(thread_cpu(engine_thread) - e0) / n,
-        clients=sum(client_cpu) / n,
-        process=(time.process_time() - p0) / n,
-    )
-    if errors:
-        raise RuntimeError(f"{arm}: {errors[:3]}")
-    for k in keys:  # the server's timestamps of each turn, matched in order
-        for rec, srv in zip(recs[k], server_log.pop(k, []), strict=True):
+    wall, n = time.perf_counter() - t_start, c * rig.turns
+    cpu = {k: (thread_cpu(th) - cpu0[k]) / n for k, th in server_threads.items()}
+    cpu |= dict(clients=sum(shared.cpu) / n, process=(time.process_time() - p0) / n)
+    if shared.errors:
+        raise RuntimeError(f"{arm}: {shared.errors[:3]}")
+    for k, session in zip(keys, recs, strict=True):  # server timestamps, matched in order
+        for rec, srv in zip(session, rig.server_log.pop(k, []), strict=True):
             rec.update(srv)
-        req = urllib.request.Request(f"{server.url}/v1/sessions/{k}", method="DELETE")
+        req = urllib.request.Request(f"{rig.server.url}/v1/sessions/{k}", method="DELETE")
         with urllib.request.urlopen(req, timeout=60) as r:
             assert json.loads(r.read())["deleted"]
-    return dict(records=[recs[k] for k in keys], wall=wall, cpu=cpu)
+    return dict(records=recs, wall=wall, cpu=cpu)
 
 
 def hook_server_log(backend) -> tuple[dict, dict]:
@@ -314,53 +309,59 @@ def hook_server_log(backend) -> tuple[dict, dict]:
     def turn_done(job):
         turn_done_(job)
         ctx["loop"] = job.loop
-        st = job.request.stats
-        log.setdefault(job.session_key, []).append(
-            dict(
-                arrived=job.arrived,
-                submitted=st.submitted_s,
-                first=st.first_token_s,
-                finished=st.finished_s,
-                handed=handed.pop(id(job), []),
-            )
-        )
+        st, ts = job.request.stats, handed.pop(id(job), [])
+        times = dict(submitted=st.submitted_s, first=st.first_token_s, finished=st.finished_s)
+        log.setdefault(job.session_key, []).append(dict(arrived=job.arrived, **times, handed=ts))
 
     metrics.turn_done, worker._publish = turn_done, publish
     return log, ctx
 
 
 # ---- the report ---------------------------------------------------------------------------------
+def http_arms(arms) -> list[str]:
+    return [a for a in arms if a != "inproc"]
+
+
+def records(run: dict) -> list[dict]:
+    """A workload's records, every session's turns."""
+    return [r for session in run["records"] for r in session]
+
+
 def flat(run: dict, field: str) -> list[float]:
-    return [r[field] for sess in run["records"] for r in sess if r.get(field) is not None]
+    return [r[field] for r in records(run) if r.get(field) is not None]
 
 
 def pooled(rs: list[dict], field: str) -> list[float]:
     return [x for run in rs for x in flat(run, field)]
 
 
+def pairs(rs: list[dict], base: list[dict]):
+    """(record, in-process record) of the same repeat, session and turn."""
+    for run, brun in zip(rs, base, strict=True):
+        for sess, bsess in zip(run["records"], brun["records"], strict=True):
+            yield from zip(sess, bsess, strict=True)
+
+
+def cpu_median(rs) -> dict:
+    """CPU ms per turn by thread (median over repeats)."""
+    return {k: statistics.median(r["cpu"][k] for r in rs) * 1e3 for k in rs[0]["cpu"]}
+
+
 def summarize(runs: dict, arms, cs, tok) -> dict:
-    """runs[(c, arm)] -> list over repeats of {records, wall}."""
+    """runs[(c, arm)] -> list over repeats of {records, wall, cpu}: per C, per arm."""
     out = {}
     for c in cs:
         base = runs[(c, "inproc")]
-        b_lat, b_ttft, b_ttfc = (pooled(base, f) for f in ("latency", "ttft", "ttfc"))
-        row = {
-            "inproc": dict(
-                p50_ms=pct(b_lat, 50) * 1e3,
-                p95_ms=pct(b_lat, 95) * 1e3,
-                ttft_p50_ms=pct(b_ttft, 50) * 1e3,
-                ttft_p95_ms=pct(b_ttft, 95) * 1e3,
-                ttfc_p50_ms=pct(b_ttfc, 50) * 1e3,
-                ttfc_p95_ms=pct(b_ttfc, 95) * 1e3,
-                wall_ms=statistics.median(r["wall"] for r in base) * 1e3,
-                n=len(b_lat),
-                cpu_ms_per_turn=cpu_median(base),
-            )
+        inproc = {
+            f"{pre}p{q}_ms": pct(pooled(base, f), q) * 1e3 for f, pre in FIELDS for q in (50, 95)
         }
-        for arm in arms:
-            if arm != "inproc":
-                row[arm] = summarize_arm(arm, runs[(c, arm)], base, tok)
-        out[str(c)] = row
+        wall = statistics.median(r["wall"] for r in base) * 1e3
+        inproc |= dict(
+            wall_ms=wall, n=len(pooled(base, "latency")), cpu_ms_per_turn=cpu_median(base)
+        )
+        out[str(c)] = {"inproc": inproc} | {
+            arm: summarize_arm(arm, runs[(c, arm)], base, tok) for arm in http_arms(arms)
+        }
     return out
 
 
@@ -371,51 +372,45 @@ def summarize_arm(arm: str, rs: list[dict], base: list[dict], tok) -> dict:
         "wall_ms": statistics.median(r["wall"] for r in rs) * 1e3,
         "cpu_ms_per_turn": cpu_median(rs),
     }
-    for field, pre in (
-        (("latency", ""), ("ttfc", "ttfc_")) if arm == "stream" else (("latency", ""),)
-    ):
+    compared = ("latency", "ttfc") if arm == "stream" else ("latency",)
+    for field, pre in ((f, pre) for f, pre in FIELDS if f in compared):
         xs, bs = pooled(rs, field), pooled(base, field)
-        paired = [
-            r[field] - b[field]
-            for run, brun in zip(rs, base, strict=True)
-            for sess, bsess in zip(run["records"], brun["records"], strict=True)
-            for r, b in zip(sess, bsess, strict=True)
-            if r.get(field) is not None and b.get(field) is not None
-        ]
         for q in (50, 95):
             h, b = pct(xs, q), pct(bs, q)
             d[f"{pre}p{q}_ms"] = h * 1e3
             d[f"{pre}overhead_p{q}_ms"] = (h - b) * 1e3
             d[f"{pre}ratio_p{q}"] = h / b
+        paired = [r[field] - b[field] for r, b in pairs(rs, base)
+                  if r.get(field) is not None and b.get(field) is not None]  # fmt: skip
         d[f"{pre}paired_median_overhead_ms"] = statistics.median(paired) * 1e3
         d[f"{pre}n"] = len(xs)
-    records = [r for run in rs for sess in run["records"] for r in sess]
-    if arm in ("openai", "raw"):  # the server's timestamps split the latency
-        seg = {
-            "pre": [r["arrived"] - r["t0"] for r in records],
-            "handoff": [r["submitted"] - r["arrived"] for r in records],
-            "engine": [r["finished"] - r["submitted"] for r in records],
-            "post": [r["t1"] - r["finished"] for r in records],
-        }
-        d["segments_p50_ms"] = {k: pct(v, 50) * 1e3 for k, v in seg.items()}
+    seg = segments(arm, [r for run in rs for r in records(run)], tok)
+    d["segments_p50_ms"] = {k: pct(v, 50) * 1e3 for k, v in seg.items()}
+    if arm != "stream":
         d["segments_mean_ms"] = {k: float(np.mean(v)) * 1e3 for k, v in seg.items()}
-    if arm == "stream":  # the first content's token: handed to the loop -> client
-        seg = {"first_content_delivery": [], "engine": [], "after_last_token": []}
-        for r in records:
-            k = first_content(tok, r["output"])
-            if r.get("ttfc") is not None and k is not None and r["handed"]:
-                handed = r["handed"][min(k, len(r["handed"]) - 1)]
-                seg["first_content_delivery"].append(r["t0"] + r["ttfc"] - handed)
-            seg["engine"].append(r["finished"] - r["submitted"])
-            seg["after_last_token"].append(r["t1"] - r["finished"])
-        d["segments_p50_ms"] = {k: pct(v, 50) * 1e3 for k, v in seg.items()}
     return d
+
+
+def segments(arm: str, recs: list[dict], tok) -> dict[str, list[float]]:
+    """Where each turn's time went, by the server's timestamps: an openai or raw turn's
+    `SEGMENTS`; a stream turn's first content (its token handed to the loop -> the client)."""
+    if arm != "stream":
+        return {k: [r[b] - r[a] for r in recs] for k, (a, b) in SEGMENTS.items()}
+    seg = {"first_content_delivery": [], "engine": [], "after_last_token": []}
+    for r in recs:
+        k = first_content(tok, r["output"])
+        if r.get("ttfc") is not None and k is not None and r["handed"]:
+            handed = r["handed"][min(k, len(r["handed"]) - 1)]
+            seg["first_content_delivery"].append(r["t0"] + r["ttfc"] - handed)
+        seg["engine"].append(r["finished"] - r["submitted"])
+        seg["after_last_token"].append(r["t1"] - r["finished"])
+    return seg
 
 
 def per_repeat(run: dict) -> dict:
     """One repeat of one arm, in ms: wall time, p50/p95 of latency (and TTFT, TTFC)."""
     out = {"wall": round(run["wall"] * 1e3, 2)}
-    for field in ("latency", "ttft", "ttfc"):
+    for field, _ in FIELDS:
         xs = flat(run, field)
         if xs:
             out[f"{field}_p50"] = round(pct(xs, 50) * 1e3, 2)
@@ -423,25 +418,13 @@ def per_repeat(run: dict) -> dict:
     return out
 
 
-def cpu_median(rs) -> dict:
-    """CPU ms per turn by thread (median over repeats)."""
-    return {k: statistics.median(r["cpu"][k] for r in rs) * 1e3 for k in rs[0]["cpu"]}
-
-
 def agreement(runs: dict, arms, cs) -> dict:
     """Turns whose prompt or output differs from inproc's (same repeat, session, turn)."""
     res = {}
-    for c in cs:
-        for arm in arms:
-            if arm == "inproc":
-                continue
-            bad = total = 0
-            for run, brun in zip(runs[(c, arm)], runs[(c, "inproc")], strict=True):
-                for sess, bsess in zip(run["records"], brun["records"], strict=True):
-                    for r, b in zip(sess, bsess, strict=True):
-                        total += 1
-                        bad += r["prompt"] != b["prompt"] or r["output"] != b["output"]
-            res[f"{c}/{arm}"] = {"differ": bad, "turns": total}
+    for c, arm in ((c, a) for c in cs for a in http_arms(arms)):
+        turns = list(pairs(runs[(c, arm)], runs[(c, "inproc")]))
+        bad = sum(r["prompt"] != b["prompt"] or r["output"] != b["output"] for r, b in turns)
+        res[f"{c}/{arm}"] = {"differ": bad, "turns": len(turns)}
     return res
 
 
@@ -449,78 +432,61 @@ def overhead_rows(summary: dict, cs, arms) -> list[list[str]]:
     """Per C and HTTP arm (and its TTFC beside the in-process arm's, streaming): the
     overhead table's cells."""
     rows = []
-    for c, arm in ((c, a) for c in cs for a in arms if a != "inproc"):
+    for c, arm in ((c, a) for c in cs for a in http_arms(arms)):
         d, b = summary[str(c)][arm], summary[str(c)]["inproc"]
         for pre, name in (("", arm), ("ttfc_", f"{arm} TTFC")):
-            if f"{pre}p50_ms" in d:
-                rows.append(
-                    [str(c), name, f"{d[f'{pre}p50_ms']:.1f}", f"{d[f'{pre}p95_ms']:.1f}"]
-                    + [f"{b[f'{pre}p50_ms']:.1f}", f"{b[f'{pre}p95_ms']:.1f}"]
-                    + [
-                        f"{d[f'{pre}overhead_p{q}_ms']:+.1f} ({d[f'{pre}ratio_p{q}']:.2f}x)"
-                        for q in (50, 95)
-                    ]
-                    + [f"{d[f'{pre}paired_median_overhead_ms']:+.1f}"]
-                    + [f"{d['wall_ms']:.0f} ({b['wall_ms']:.0f})"]
-                )
+            if f"{pre}p50_ms" not in d:
+                continue
+            cells = [f"{x[f'{pre}p{q}_ms']:.1f}" for x in (d, b) for q in (50, 95)]
+            over = [(d[f"{pre}overhead_p{q}_ms"], d[f"{pre}ratio_p{q}"]) for q in (50, 95)]
+            cells += [f"{ms:+.1f} ({ratio:.2f}x)" for ms, ratio in over]
+            cells.append(f"{d[f'{pre}paired_median_overhead_ms']:+.1f}")
+            rows.append([str(c), name, *cells, f"{d['wall_ms']:.0f} ({b['wall_ms']:.0f})"])
     return rows
 
 
-def table(summary: dict, cs, arms) -> str:
+def tables(summary: dict, cs, arms) -> str:
+    """The printed report: overheads; where an HTTP turn's time goes; streaming; CPU."""
+    s = {c: summary[str(c)] for c in cs}
     header = ["C", "arm", "p50 ms", "p95 ms", "in-proc p50", "in-proc p95"]
     header += ["overhead p50 ms (ratio)", "overhead p95 ms (ratio)", "paired Δ p50 ms"]
-    lines = harness.table(
-        [*header, "workload wall ms (in-proc)"], overhead_rows(summary, cs, arms), "rl" + "r" * 8
-    )
+    header += ["workload wall ms (in-proc)"]
+    lines = harness.table(header, overhead_rows(summary, cs, arms), "rl" + "r" * 8)
     seg_arms = [a for a in arms if a in ("openai", "raw")]
     if seg_arms:
         header = ["C", "arm", "pre (client → handler)", "hand-off (→ engine)", "engine"]
+        header += ["post (→ parsed reply)", "in-proc latency p50"]
         rows = [
-            [str(c), arm]
-            + [f"{s[k]:.2f}" for k in ("pre", "handoff", "engine", "post")]
-            + [f"{summary[str(c)]['inproc']['p50_ms']:.2f}"]
+            [str(c), arm, *(f"{s[c][arm]['segments_p50_ms'][k]:.2f}" for k in SEGMENTS)]
+            + [f"{s[c]['inproc']['p50_ms']:.2f}"]
             for c in cs
             for arm in seg_arms
-            for s in [summary[str(c)][arm]["segments_p50_ms"]]
         ]
-        lines += [
-            "",
-            "Where an HTTP turn's time goes (p50 ms of each segment, server timestamps):",
-            "",
-            *harness.table(
-                [*header, "post (→ parsed reply)", "in-proc latency p50"], rows, "rl" + "r" * 5
-            ),
-        ]
+        caption = "Where an HTTP turn's time goes (p50 ms of each segment, server timestamps):"
+        lines += harness.section(caption, header, rows, "rl" + "r" * 5)
     if "stream" in arms:
         keys = ("first_content_delivery", "engine", "after_last_token")
         rows = [
-            [str(c), *(f"{summary[str(c)]['stream']['segments_p50_ms'][k]:.2f}" for k in keys)]
-            for c in cs
+            [str(c), *(f"{s[c]['stream']['segments_p50_ms'][k]:.2f}" for k in keys)] for c in cs
         ]
-        lines += [
-            "",
+        caption = (
             "Streaming (p50 ms): first-content delivery = the token that makes the first "
             "content handed to the event loop -> its chunk parsed by the client; the engine's "
-            "span; the last token -> the parsed [DONE]:",
-            "",
-            *harness.table(
-                ["C", "first-content delivery", "engine", "after the last token"], rows, "rrrr"
-            ),
-        ]
+            "span; the last token -> the parsed [DONE]:"
+        )
+        header = ["C", "first-content delivery", "engine", "after the last token"]
+        lines += harness.section(caption, header, rows, "rrrr")
     header = ["C", "arm", "event loop", "engine thread", "clients", "in-proc main", "process"]
     rows = [
-        [str(c), arm] + [f"{u[k]:.2f}" if k in u else "-" for k in CPU_COLUMNS]
+        [str(c), arm, *(f"{u[k]:.2f}" if k in u else "-" for k in CPU_COLUMNS)]
         for c in cs
         for arm in arms
-        for u in [summary[str(c)][arm]["cpu_ms_per_turn"]]
+        for u in [s[c][arm]["cpu_ms_per_turn"]]
     ]
-    lines += [
-        "",
-        "CPU ms per turn by thread (median over repeats; XLA's own threads only in `process`):",
-        "",
-        *harness.table(header, rows, "rl" + "r" * 5),
-    ]
-    return "\n".join(lines)
+    caption = (
+        "CPU ms per turn by thread (median over repeats; XLA's own threads only in `process`):"
+    )
+    return "\n".join(lines + harness.section(caption, header, rows, "rl" + "r" * 5))
 
 
 # ---- profiles -----------------------------------------------------------------------------------
@@ -545,13 +511,12 @@ def profile_summary(profs, top: int = 14) -> dict:
     st = pstats.Stats(profs[0])
     for p in profs[1:]:
         st.add(p)
-    total = sum(v[2] for v in st.stats.values())
     groups: dict[str, float] = {}
     for key, v in st.stats.items():
         groups[_group(key)] = groups.get(_group(key), 0.0) + v[2]
     funcs = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:top]
     return dict(
-        total_s=total,
+        total_s=sum(v[2] for v in st.stats.values()),
         by_package=dict(sorted(groups.items(), key=lambda kv: -kv[1])[:top]),
         top_functions=[
             dict(
@@ -562,30 +527,25 @@ def profile_summary(profs, top: int = 14) -> dict:
     )
 
 
-def profile_pass(arms, client, server, ctx, c, turns, max_tokens, server_log) -> dict:
+def profile_pass(rig: Rig, arms, c: int) -> dict:
     """One more (untimed) workload per HTTP arm under cProfile timed by each thread's CPU
     clock (a wall clock would charge GIL waits to whatever call was pending): the event loop's
     thread and the client threads, self time by package (shares more than times: the
     profiler slows Python)."""
-    loop, out = ctx["loop"], {}
+    loop, out = rig.ctx["loop"], {}
 
     def on_loop(fn):
         fut = concurrent.futures.Future()
         loop.call_soon_threadsafe(lambda: (fn(), fut.set_result(None)))
         fut.result(30)
 
-    for arm in arms:
-        if arm == "inproc":
-            continue
+    for arm in http_arms(arms):
         prof, clients = cProfile.Profile(time.thread_time), []
         on_loop(prof.enable)
-        run_http(arm, client, server, c, turns, max_tokens, f"prof-{arm}", server_log, clients)
+        rig.run(arm, c, f"prof-{arm}", clients)
         on_loop(prof.disable)
-        out[arm] = dict(
-            event_loop=profile_summary([prof]),
-            clients=profile_summary(clients),
-            turns=c * turns,
-        )
+        out[arm] = dict(event_loop=profile_summary([prof]), clients=profile_summary(clients))
+        out[arm]["turns"] = c * rig.turns
     return out
 
 
@@ -601,15 +561,14 @@ def print_profiles(profiles: dict, c: int) -> None:
 
 
 # ---- floors -------------------------------------------------------------------------------------
-def floors(client, server, tok, n: int = 50) -> dict:
+def floors(rig: Rig, n: int = 50) -> dict:
     """A no-engine round trip (GET /v1/models: openai client and raw http.client) and the
     server-side rendering of one turn's prompt, p50 of n."""
 
     def p50(fn):
         return harness.median_time(fn, repeats=n) * 1e3
 
-    host, port = server.url.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn = connect(rig.server.url, 60)
 
     def raw_models():
         conn.request("GET", "/v1/models")
@@ -619,15 +578,16 @@ def floors(client, server, tok, n: int = 50) -> dict:
     for t in range(4):
         msgs += conversation(0, t) + [{"role": "assistant", "content": "ok"}]
     res = dict(
-        models_openai_ms=p50(lambda: client.models.list()),
+        models_openai_ms=p50(lambda: rig.client.models.list()),
         models_raw_ms=p50(raw_models),
-        render_ms=p50(lambda: chat.render(tok, msgs)),
-        render_tokens=len(chat.render(tok, msgs).tokens),
+        render_ms=p50(lambda: chat.render(rig.tok, msgs)),
+        render_tokens=len(chat.render(rig.tok, msgs).tokens),
     )
     conn.close()
     return res
 
 
+# ---- the run ------------------------------------------------------------------------------------
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=10)
@@ -646,31 +606,29 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--switch-interval",
         type=float,
-        default=None,
         help="sys.setswitchinterval(S) for the whole run (default: Python's, 0.005)",
     )
     ap.add_argument(
         "--compile-cache",
-        default=None,
         help="keep compiled programs in DIR (default: serve.compile_cache's; off: none)",
     )
     return ap
 
 
-def timed_repeats(run, arms, cs, repeats: int) -> tuple[dict, float]:
-    """`run(arm, c, tag)` of every workload once untimed, then `repeats` times in alternating
-    order: (runs[(c, arm)], a run per repeat; the timed repeats' seconds)."""
+def timed_repeats(rig: Rig, arms, cs, repeats: int) -> tuple[dict, float]:
+    """Every workload once untimed, then `repeats` times in alternating order: (runs[(c, arm)],
+    a run per repeat; the timed repeats' seconds)."""
     t0 = time.perf_counter()
     for c in cs:
         for arm in arms:
-            run(arm, c, f"warm-c{c}-{arm}")
+            rig.run(arm, c, f"warm-c{c}-{arm}")
     print(f"untimed pass: {time.perf_counter() - t0:.1f} s", flush=True)
     runs: dict = {(c, a): [] for c in cs for a in arms}
     t0 = time.perf_counter()
     for rep in range(repeats):
         for c in cs:
             for arm in arms if rep % 2 == 0 else arms[::-1]:
-                runs[(c, arm)].append(run(arm, c, f"r{rep}-c{c}-{arm}"))
+                runs[(c, arm)].append(rig.run(arm, c, f"r{rep}-c{c}-{arm}"))
         print(f"repeat {rep + 1}/{repeats} done", flush=True)
     return runs, time.perf_counter() - t0
 
@@ -693,9 +651,7 @@ def main(argv=None) -> dict:
     compile_cache.enable(args.compile_cache)
     model = ll.load_model(ensure_default_checkpoints(args.root)["deepseek_v3"])
     base_tok = chat.ChatTokenizer()
-    tok = ModVocabTokenizer(base_tok, model.config.vocab_size)
-    inproc = Engine(model, **ENGINE)
-    served = Engine(model, **ENGINE)
+    inproc, served = Engine(model, **ENGINE), Engine(model, **ENGINE)
     t0 = time.perf_counter()
     inproc.warmup()
     served.warmup()
@@ -705,26 +661,16 @@ def main(argv=None) -> dict:
     server_log, ctx = hook_server_log(backend)
     server = ServerThread(backend).start()
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
-
-    def run(arm: str, c: int, tag: str) -> dict:
-        if arm == "inproc":
-            return run_inproc(inproc, tok, c, args.turns, args.max_tokens, tag)
-        return run_http(arm, client, server, c, args.turns, args.max_tokens, tag, server_log)
-
+    tok = ModVocabTokenizer(base_tok, model.config.vocab_size)
+    rig = Rig(inproc, tok, server, client, server_log, ctx, args.turns, args.max_tokens)
     try:
-        runs, t_timed = timed_repeats(run, arms, cs, args.repeats)
-        fl = floors(client, server, tok)
-        profiles = None
-        if args.profile:
-            profiles = profile_pass(
-                arms, client, server, ctx, max(cs), args.turns, args.max_tokens, server_log
-            )
+        runs, t_timed = timed_repeats(rig, arms, cs, args.repeats)
+        fl = floors(rig)
+        profiles = profile_pass(rig, arms, max(cs)) if args.profile else None
     finally:
         server.stop()
     result = report(args, cs, arms, runs, tok, fl, profiles, (t_all, t_warm, t_timed))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    harness.save_json(args.out, result, indent=1)
     return result
 
 
@@ -732,12 +678,10 @@ def report(args, cs, arms, runs: dict, tok, fl: dict, profiles, times: tuple) ->
     """Print the tables and return the run's JSON; `times`: (the run's start, the warm-up's
     seconds, the timed repeats')."""
     t_all, t_warm, t_timed = times
-    summary = summarize(runs, arms, cs, tok)
-    agree = agreement(runs, arms, cs)
-    outputs = [len(r["output"]) for run in runs[(cs[0], "inproc")] for s in run["records"]
-               for r in s]  # fmt: skip
+    summary, agree = summarize(runs, arms, cs, tok), agreement(runs, arms, cs)
+    outputs = [len(r["output"]) for run in runs[(cs[0], "inproc")] for r in records(run)]
     print()
-    print(table(summary, cs, arms))
+    print(tables(summary, cs, arms))
     print()
     print(
         f"floors: GET /v1/models {fl['models_openai_ms']:.2f} ms (openai client), "
@@ -750,20 +694,12 @@ def report(args, cs, arms, runs: dict, tok, fl: dict, profiles, times: tuple) ->
     print(f"completion tokens per turn: mean {np.mean(outputs):.1f} (max {args.max_tokens})")
     wall = time.perf_counter() - t_all
     print(f"wall: {wall:.0f} s (warmup {t_warm:.0f} s, timed repeats {t_timed:.0f} s)")
+    config = {k: getattr(args, k) for k in ("repeats", "turns", "max_tokens")}
+    config |= dict(concurrency=cs, arms=arms, engine={k: str(v) for k, v in ENGINE.items()})
+    config |= dict(model="tiny deepseek_v3", python=sys.version.split()[0])
+    config |= dict(switch_interval_s=sys.getswitchinterval(), jax=jax.__version__)
     return dict(
-        config=dict(
-            repeats=args.repeats,
-            turns=args.turns,
-            max_tokens=args.max_tokens,
-            concurrency=cs,
-            arms=arms,
-            engine={k: str(v) for k, v in ENGINE.items()},
-            model="tiny deepseek_v3",
-            python=sys.version.split()[0],
-            switch_interval_s=sys.getswitchinterval(),
-            jax=jax.__version__,
-            backend=jax.default_backend(),
-        ),
+        config=config | dict(backend=jax.default_backend()),
         summary=summary,
         floors=fl,
         agreement=agree,

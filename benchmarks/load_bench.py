@@ -34,19 +34,13 @@ RESULTS = Path(__file__).with_name("results_load.json")
 LOADERS = ("stream", "eager")
 
 
-def _child(loader: str, path: str) -> None:
+def _child(how: str, path: str) -> None:
     """Runs in the fresh process: load once, print one JSON line of what it measured."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
-    from leyline_jax.loader import (
-        config_from_hf,
-        convert_hf_params,
-        load_model,
-        model_from_params,
-        read_safetensors,
-    )
+    from leyline_jax import loader
 
     def peak() -> int:
         """Bytes: the peak resident set of this process since it started (`VmHWM`). Not
@@ -59,18 +53,18 @@ def _child(loader: str, path: str) -> None:
     jax.devices()  # the backend starts before the baseline, not inside the load
     baseline = peak()
     t0 = time.perf_counter()
-    if loader == "stream":
-        model = load_model(path, jnp.bfloat16, progress=False)
+    if how == "stream":
+        model = loader.load_model(path, jnp.bfloat16, progress=False)
     else:
-        config = config_from_hf(path)
-        tensors = read_safetensors(path, progress=False)
-        params = convert_hf_params(config, tensors, jnp.bfloat16)
-        model = model_from_params(config, params, jnp.bfloat16)
+        config = loader.config_from_hf(path)
+        tensors = loader.read_safetensors(path, progress=False)
+        params = loader.convert_hf_params(config, tensors, jnp.bfloat16)
+        model = loader.model_from_params(config, params, jnp.bfloat16)
         del tensors, params
     seconds = time.perf_counter() - t0
     params = jax.tree.leaves(nnx.state(model, nnx.Param))
     row = {
-        "loader": loader,
+        "loader": how,
         "baseline_bytes": baseline,
         "peak_bytes": peak(),
         "growth_bytes": peak() - baseline,

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import sys
 import time
 
@@ -62,6 +61,11 @@ def routing(rng, t: int, e: int, k: int):
     return jnp.asarray(rng.random((t, k)), jnp.float32), jnp.asarray(idx, jnp.int32)
 
 
+def auto(e: int, h: int, i: int) -> str:
+    """What `prefers_grouped` picks for E experts of H x I."""
+    return "grouped" if prefers_grouped(e, h, i) else "dense"
+
+
 def dispatch_times(x, weights, idx, w, repeats: int, ragged: bool = False) -> list[float]:
     """Median times of the dense and the grouped dispatch (and of grouped through ragged_dot)."""
     fns = [moe_experts_dense, moe_experts_grouped]
@@ -90,24 +94,12 @@ def bench_v2_lite(tokens, dtype_names, ragged_tokens, repeats: int, read_bw: flo
             flop_floor = 2 * 3 * t * k * h * i / rate
             byte_floor = active * 3 * h * i * jnp.dtype(dtype).itemsize / read_bw
             floor = max(flop_floor, byte_floor)
-            rows.append(
-                dict(
-                    dtype=name,
-                    tokens=t,
-                    active_experts=active,
-                    dense_s=dense_s,
-                    grouped_s=grouped_s,
-                    ragged_dot_s=ragged_s,
-                    dense_over_grouped=dense_s / grouped_s,
-                    flop_floor_s=flop_floor,
-                    byte_floor_s=byte_floor,
-                    dense_over_floor=dense_s / floor,
-                    grouped_over_floor=grouped_s / floor,
-                    matmul_flop_s=rate,
-                    auto="grouped" if prefers_grouped(e, h, i) else "dense",
-                )
-            )
-            r = rows[-1]
+            r = dict(dtype=name, tokens=t, active_experts=active)
+            r |= dict(dense_s=dense_s, grouped_s=grouped_s, ragged_dot_s=ragged_s)
+            r |= dict(dense_over_grouped=dense_s / grouped_s)
+            r |= dict(flop_floor_s=flop_floor, byte_floor_s=byte_floor)
+            r |= {f"{k}_over_floor": r[f"{k}_s"] / floor for k in ("dense", "grouped")}
+            rows.append(r | dict(matmul_flop_s=rate, auto=auto(e, h, i)))
             print(
                 f"{name:8s} T={t:4d} active={active:2d} dense {dense_s * 1e3:9.1f} ms  "
                 f"grouped {grouped_s * 1e3:8.1f} ms  dense/grouped {r['dense_over_grouped']:5.1f}  "
@@ -128,20 +120,9 @@ def bench_crossover() -> list[dict]:
             x = jnp.asarray(rng.standard_normal((t, h), np.float32))
             weights, idx = routing(rng, t, e, k)
             dense_s, grouped_s = dispatch_times(x, weights, idx, w, repeats=15)
-            rows.append(
-                dict(
-                    hidden=h,
-                    inter=i,
-                    experts=e,
-                    k=k,
-                    tokens=t,
-                    ehi=e * h * i,
-                    dense_s=dense_s,
-                    grouped_s=grouped_s,
-                    dense_over_grouped=dense_s / grouped_s,
-                    auto="grouped" if prefers_grouped(e, h, i) else "dense",
-                )
-            )
+            r = dict(hidden=h, inter=i, experts=e, k=k, tokens=t, ehi=e * h * i)
+            r |= dict(dense_s=dense_s, grouped_s=grouped_s, dense_over_grouped=dense_s / grouped_s)
+            rows.append(r | dict(auto=auto(e, h, i)))
             print(
                 f"H={h:3d} I={i:3d} E={e:2d} k={k} T={t:3d} E*H*I={e * h * i:7d}  "
                 f"dense {dense_s * 1e3:8.3f} ms  grouped {grouped_s * 1e3:8.3f} ms  "
@@ -169,28 +150,15 @@ def main(argv=None) -> None:
         f"{jax.devices()[0].platform}",
         flush=True,
     )
-    tokens = [int(t) for t in args.tokens.split(",")]
-    result = dict(
-        command=" ".join(["python -m benchmarks.moe_bench", *argv]),
-        jax=jax.__version__,
-        platform=jax.devices()[0].platform,
-        read_bytes_s=read_bw,
-        shapes=V2_LITE,
-        v2_lite=bench_v2_lite(
-            tokens,
-            args.dtypes.split(","),
-            [int(t) for t in args.ragged_tokens.split(",")],
-            args.repeats,
-            read_bw,
-        ),
-    )
+    tokens, ragged = ([int(t) for t in a.split(",")] for a in (args.tokens, args.ragged_tokens))
+    result = dict(command=" ".join(["python -m benchmarks.moe_bench", *argv]), jax=jax.__version__)
+    result |= dict(platform=jax.devices()[0].platform, read_bytes_s=read_bw, shapes=V2_LITE)
+    result["v2_lite"] = bench_v2_lite(tokens, args.dtypes.split(","), ragged, args.repeats, read_bw)
     if args.crossover:
         result["crossover"] = bench_crossover()
     result["wall_s"] = time.perf_counter() - start
     print(f"wall {result['wall_s']:.0f} s")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    harness.save_json(args.out, result)
 
 
 if __name__ == "__main__":

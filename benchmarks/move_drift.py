@@ -48,7 +48,6 @@ import re
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import leyline_jax as ll
@@ -59,11 +58,11 @@ from benchmarks.fidelity import (
     Chat,
     greedy,
     kl,
-    load,
     pct_ci,
     question,
     save,
     scenario,
+    setup,
     spread,
     wilson,
 )
@@ -73,6 +72,7 @@ CASES = ("drop", "swap", "requote")
 ARMS = ("move", "fresh")  # seq 1 + 2c: MOVE of case c; seq 2 + 2c: FORGET (the fresh prefill)
 BUCKETS = (0, 64, 128, 256)  # lower edges, in tokens of differing preceding text
 RUNS = (0, 16, 64, 128, 256)  # lower edges, in tokens of common text just before the block
+APPLIED = ("spliced", "moved", "prefilled")  # an edit's tokens, as `apply_directives` reports
 
 
 def layout(ids: list[int], chat: Chat):
@@ -125,6 +125,24 @@ def common_run(a: list[int], b: list[int]) -> int:
     return k
 
 
+def edit_to_b(model, state, c: int, directive: tuple, b: list[int]) -> tuple:
+    """Case c's MOVE and FORGET (`directive`: start, end, replacement, MOVE's sources), each on
+    its own fork of sequence 0 (sequences 1 + 2c and 2 + 2c) and timed: (state, row fields)."""
+    start, end, rep, srcs = directive
+    fields = {}
+    for k, mode in enumerate((ll.Mode.MOVE, ll.Mode.FORGET)):
+        seq = 1 + 2 * c + k
+        state = ll.fork(state, 0, seq)
+        d = ll.Directive(start, end, rep, mode, sources=srcs if k == 0 else ())
+        (state, applied), dt = harness.clocked(
+            lambda s=state, n=seq, d=d: ll.apply_directives(model, s, n, [d], report=True)
+        )
+        assert ll.tokens(state, seq) == b, (CASES[c], mode, "edited to B")
+        fields[f"{ARMS[k]}_seconds"] = dt
+        fields[f"{ARMS[k]}_applied"] = {key: getattr(applied, key) for key in APPLIED}
+    return state, fields
+
+
 def run_scenario(model, state, i: int, chat: Chat, fresh_check: bool):
     """Every case of scenario i: (state, [row per case], [KL(scratch || forget)] when
     `fresh_check`)."""
@@ -143,30 +161,12 @@ def run_scenario(model, state, i: int, chat: Chat, fresh_check: bool):
         field = str(rng.choice(list(record)[1:]))
         q = question(chat, tool, record, field)
         row = {"case": name, "scenario": i, "round": r, "field": field, "value": record[field]}
-        for k, mode in enumerate((ll.Mode.MOVE, ll.Mode.FORGET)):
-            seq = 1 + 2 * c + k
-            state = ll.fork(state, 0, seq)
-            d = ll.Directive(start, end, rep, mode, sources=srcs if k == 0 else ())
-            (state, applied), dt = harness.clocked(
-                lambda s=state, n=seq, d=d: ll.apply_directives(model, s, n, [d], report=True)
-            )
-            assert ll.tokens(state, seq) == b, (name, mode, "edited to B")
-            row[f"{ARMS[k]}_seconds"] = dt
-            row[f"{ARMS[k]}_applied"] = {
-                "spliced": applied.spliced,
-                "moved": applied.moved,
-                "prefilled": applied.prefilled,
-            }
-            seqs.append(seq)
-            qs.append(q)
-        row.update(
-            differing=differing(ids[:a0], b[:b0]),
-            common_run=common_run(ids[:a0], b[:b0]),
-            shift=b0 - a0,
-            length=len(b),
-            block=len(block),
-        )
-        rows.append(row)
+        state, fields = edit_to_b(model, state, c, (start, end, rep, srcs), b)
+        seqs += [1 + 2 * c, 2 + 2 * c]
+        qs += [q, q]
+        pa, pb = ids[:a0], b[:b0]  # the text before the block, in A and in B
+        row |= fields | dict(differing=differing(pa, pb), common_run=common_run(pa, pb))
+        rows.append(row | dict(shift=b0 - a0, length=len(b), block=len(block)))
         bs.append(b)
     state, logits, outs = greedy(model, state, seqs, qs, RECALL_TOKENS)
     for c, row in enumerate(rows):
@@ -202,7 +202,7 @@ def summary(rows: list[dict]) -> dict:
     for key in ("differing", "common_run", "shift", "length"):
         out[f"{key}_median"] = float(np.median([r[key] for r in rows]))
     for arm in ARMS:
-        for key in ("spliced", "moved", "prefilled"):
+        for key in APPLIED:
             out[f"{arm}_{key}_median"] = float(np.median([r[f"{arm}_applied"][key] for r in rows]))
         out[f"{arm}_ms_median"] = float(np.median([r[f"{arm}_seconds"] for r in rows])) * 1e3
     out["speedup_median"] = float(np.median([r["fresh_seconds"] / r["move_seconds"] for r in rows]))
@@ -224,22 +224,12 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scenarios", type=int, default=100)
     ap.add_argument("--fresh-check", type=int, default=10, help="scenarios also prefilled whole")
-    ap.add_argument("--model", default=None, help="a .gguf file (default: SmolLM2-135M)")
-    ap.add_argument("--out", default=None, help="write OUT.json and OUT.md")
-    args = ap.parse_args(argv)
-    path, model, chat = load(args.model)
-    state = ll.init_state(
-        model.config,
-        num_pages=512,
-        page_size=16,
-        max_seqs=1 + len(ARMS) * len(CASES),
-        kv_dtype=jnp.float32,
-    )
+    seqs = 1 + len(ARMS) * len(CASES)
+    args, path, model, chat, state = setup(ap, argv, max_seqs=seqs, num_pages=512)
     t0 = time.perf_counter()
     state, _, _ = run_scenario(model, state, 0, chat, True)  # warm-up, not counted
     warmup = time.perf_counter() - t0
-    rows, checks = [], []
-    stop = Stop()
+    rows, checks, stop = [], [], Stop()
     t0 = time.perf_counter()
     for i in range(args.scenarios):
         if stop.requested:

@@ -19,7 +19,6 @@ n=2048 matmul rate; XLA:CPU reaches a fraction of it at 8 or 32 rows).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 import time
@@ -203,19 +202,9 @@ def bench_hf(path, t_prefill: int, batch: int, vocab: int):
 def _row(
     config: str, kind: str, size: int, ours: float, theirs: float, floor: float, gemms=float("nan")
 ) -> dict:
-    """One result row; times are seconds for `size` tokens."""
-    return dict(
-        gemm_tok_s=size / gemms,
-        ours_over_gemms=ours / gemms,
-        config=config,
-        kind=kind,
-        size=size,
-        ours_tok_s=size / ours,
-        hf_tok_s=size / theirs,
-        floor_tok_s=size / floor,
-        speedup_vs_hf=theirs / ours,
-        ours_over_floor=ours / floor,
-    )
+    """One result row; times are seconds for `size` tokens (`theirs`: nan where HF did not run)."""
+    row = dict(gemm_tok_s=size / gemms, ours_over_gemms=ours / gemms, config=config, kind=kind)
+    return row | dict(size=size) | harness.beside(size, ours, floor, theirs)
 
 
 def main(argv=None) -> None:
@@ -268,9 +257,7 @@ def main(argv=None) -> None:
             f"{r['hf_tok_s']:10.1f} {r['floor_tok_s']:12.1f} {r['speedup_vs_hf']:8.2f} "
             f"{r['ours_over_floor']:10.1f} {r['ours_over_gemms']:10.2f}"
         )
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=2)
+    harness.save_json(args.out, rows)
 
 
 if __name__ == "__main__":

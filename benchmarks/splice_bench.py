@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import os
 import statistics
 import tempfile
@@ -56,6 +55,28 @@ from leyline_jax import kv_state as kv
 from pallas_kernels.splice_rotate import phase_table, plan_runs, splice_rotate_ref
 
 PREFIX, SPAN, STUB, PAGE = 1024, 64, 16, 16
+IMPLS = ("splice", "rows", "pieces")  # the splice pass's implementations (`--splice-only`)
+
+
+def init_state(config, tokens: int, num_pages: int, max_seqs: int):
+    """A paged state whose sequences hold up to `tokens` tokens (and two pages more)."""
+    seq_len = (tokens // PAGE + 2) * PAGE
+    return ll.init_state(
+        config, num_pages=num_pages, page_size=PAGE, max_seqs=max_seqs, max_seq_len=seq_len
+    )
+
+
+def moves(downstream: int, stub: int, old, fresh):
+    """(src, dst, pos_from, pos_to) rows of the splice (a `stub`-token stub): the rows from the
+    prefix's last page on, from the sequence's pages `old` to its new pages (`old` up to that
+    page, then `fresh`)."""
+    first = (PREFIX // PAGE) * PAGE
+    i = np.concatenate(
+        [np.arange(first, PREFIX), np.arange(PREFIX + SPAN, PREFIX + SPAN + downstream)]
+    )
+    j = np.where(i < PREFIX, i, i - SPAN + stub)
+    row = np.concatenate([old[: first // PAGE], fresh])
+    return old[i // PAGE] * PAGE + i % PAGE, row[j // PAGE] * PAGE + j % PAGE, i, j
 
 
 @jax.jit
@@ -79,13 +100,7 @@ def build(model, downstream: int):
     """A state holding prefix + span (through the model) + `downstream` random tokens."""
     c = model.config
     total = PREFIX + SPAN + downstream + STUB
-    state = ll.init_state(
-        c,
-        num_pages=2 * (total // PAGE) + 8,
-        page_size=PAGE,
-        max_seqs=2,
-        max_seq_len=(total // PAGE + 2) * PAGE,
-    )
+    state = init_state(c, total, 2 * (total // PAGE) + 8, max_seqs=2)
     rng = np.random.default_rng(0)
     state, _ = ll.prefill(model, state, 0, rng.integers(0, c.vocab_size, PREFIX + SPAN))
     toks = rng.integers(0, c.vocab_size, downstream)
@@ -105,16 +120,9 @@ def time_splice_only(model, downstream: int, repeats: int) -> float:
     """The move+rotate pass alone over the same slot counts (fresh pages after the old ones)."""
     c = model.config
     state = build(model, downstream)
-    first = (PREFIX // PAGE) * PAGE
-    old = np.asarray(state.page_table)[0]
-    i = np.concatenate(
-        [np.arange(first, PREFIX), np.arange(PREFIX + SPAN, PREFIX + SPAN + downstream)]
-    )
-    j = np.where(i < PREFIX, i, i - SPAN + STUB)
     free = np.flatnonzero(np.asarray(state.refcount) == 0)
-    row = np.concatenate([old[: first // PAGE], free])
     runs = splice.padded_runs(
-        plan_runs(old[i // PAGE] * PAGE + i % PAGE, row[j // PAGE] * PAGE + j % PAGE, i, j)
+        plan_runs(*moves(downstream, STUB, np.asarray(state.page_table)[0], free))
     )
     inv = jnp.asarray(c.rope_inv_freq())
     table = phase_table(inv, state.max_seq_len)  # what apply_directive looks rotations up in
@@ -135,19 +143,11 @@ def splice_moves(downstream: int, layout: str, num_pages: int):
     """(src, dst, pos_from, pos_to) rows of the splice, in a pool of `num_pages` pages: the old
     pages (prefix, span, downstream) first and the fresh ones after them, or both drawn from
     the pool in no order ("pages shuffled")."""
-    stub = LAYOUTS[layout]
-    first = (PREFIX // PAGE) * PAGE
-    i = np.concatenate(
-        [np.arange(first, PREFIX), np.arange(PREFIX + SPAN, PREFIX + SPAN + downstream)]
-    )
-    j = np.where(i < PREFIX, i, i - SPAN + stub)
     n_old = allocator.pages_for(PREFIX + SPAN + downstream, PAGE)
     pages = np.arange(num_pages)
     if layout == "pages shuffled":
         pages = np.random.default_rng(0).permutation(num_pages)
-    old, fresh = pages[:n_old], pages[n_old:]
-    row = np.concatenate([old[: first // PAGE], fresh])
-    return old[i // PAGE] * PAGE + i % PAGE, row[j // PAGE] * PAGE + j % PAGE, i, j
+    return moves(downstream, LAYOUTS[layout], pages[:n_old], pages[n_old:])
 
 
 @functools.partial(jax.jit, static_argnames="k_dtype", donate_argnums=0)
@@ -225,8 +225,8 @@ def splice_passes(config, downstream: int, layout: str, repeats: int) -> dict:
     ]
     inv = jnp.asarray(config.rope_inv_freq())
     table = phase_table(inv, total + PAGE)
-    state = ll.init_state(config, num_pages=num_pages, page_size=PAGE, max_seqs=1)
-    pools = _random_kv(state.pools, jnp.asarray(src, jnp.int32), jax.random.PRNGKey(0))
+    pools = ll.init_state(config, num_pages=num_pages, page_size=PAGE, max_seqs=1).pools
+    pools = _random_kv(pools, jnp.asarray(src, jnp.int32), jax.random.PRNGKey(0))
     k_dtype = pools.rotated_dtype
     steps = {
         "splice": lambda p: splice.splice_pools(p, runs, inv, table, impl="jnp"),
@@ -234,7 +234,7 @@ def splice_passes(config, downstream: int, layout: str, repeats: int) -> dict:
         "pieces": lambda p: _pieces_pass(p, runs, inv, table, k_dtype=k_dtype, max_run=PAGE),
     }
     boxes = {name: {"pools": jax.tree.map(jnp.copy, pools)} for name in steps}
-    del pools, state
+    del pools
 
     def timed(name):
         def run():
@@ -255,29 +255,16 @@ def splice_only(args, cfg: dict) -> list[dict]:
         f" {config.num_hidden_layers} layers",
         flush=True,
     )
-    rows = []
+    rows, rates = [], dict(memcpy_bytes_s=memcpy, inplace_bytes_s=inplace)
     for d in (int(x) for x in args.lengths.split(",")):
         nbytes = d * kv_bytes_per_token(config) * 2
         for layout in LAYOUTS:
             r = splice_passes(config, d, layout, args.repeats)
             floor, floor_inplace = nbytes / memcpy, nbytes / inplace
-            rows.append(
-                dict(
-                    downstream=d,
-                    layers=config.num_hidden_layers,
-                    layout=layout,
-                    bytes=nbytes,
-                    memcpy_bytes_s=memcpy,
-                    inplace_bytes_s=inplace,
-                    floor_s=floor,
-                    floor_inplace_s=floor_inplace,
-                    **r,
-                    **{
-                        f"{k}_over_floor": r[f"{k}_s"] / floor for k in ("splice", "rows", "pieces")
-                    },
-                    splice_over_inplace_floor=r["splice_s"] / floor_inplace,
-                )
-            )
+            row = dict(downstream=d, layers=config.num_hidden_layers, layout=layout, bytes=nbytes)
+            row |= rates | dict(floor_s=floor, floor_inplace_s=floor_inplace) | r
+            row |= {f"{k}_over_floor": r[f"{k}_s"] / floor for k in IMPLS}
+            rows.append(row | dict(splice_over_inplace_floor=r["splice_s"] / floor_inplace))
             print(
                 f"D={d:6d} {layout:15s} {r['runs']:5d} runs ({r['mean_run']:4.1f} rows) | floor "
                 f"{floor * 1e3:6.1f} ms | splice {r['splice_s'] * 1e3:7.1f} ms "
@@ -294,14 +281,9 @@ def time_reprefill(model, downstream: int, repeats: int) -> float:
     rng = np.random.default_rng(1)
     tail = rng.integers(0, c.vocab_size, STUB + downstream)
     times = []
+    total = PREFIX + STUB + downstream
     for _ in range(repeats + 1):
-        state = ll.init_state(
-            c,
-            num_pages=(PREFIX + STUB + downstream) // PAGE + 4,
-            page_size=PAGE,
-            max_seqs=1,
-            max_seq_len=((PREFIX + STUB + downstream) // PAGE + 2) * PAGE,
-        )
+        state = init_state(c, total, total // PAGE + 4, max_seqs=1)
         state, _ = ll.prefill(model, state, 0, rng.integers(0, c.vocab_size, PREFIX))
         state = jax.block_until_ready(state)
         times.append(harness.timed(lambda s=state: ll.prefill(model, s, 0, tail)))
@@ -322,13 +304,8 @@ def main(argv=None) -> None:
         harness.BENCH_HF_CONFIG, num_hidden_layers=args.layers, first_k_dense_replace=args.layers
     )
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}")
-    if args.splice_only:
-        rows = splice_only(args, cfg)
-    else:
-        rows = amortize_vs_forget(args, cfg)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=2)
+    rows = (splice_only if args.splice_only else amortize_vs_forget)(args, cfg)
+    harness.save_json(args.out, rows)
 
 
 def amortize_vs_forget(args, cfg: dict) -> list[dict]:
@@ -342,19 +319,10 @@ def amortize_vs_forget(args, cfg: dict) -> list[dict]:
             splice = time_splice_only(model, d, args.repeats)
             amortize = time_amortize(model, d, args.repeats)
             forget = time_reprefill(model, d, 1 if d >= 8192 else args.repeats)
-            rows.append(
-                dict(
-                    downstream=d,
-                    floor_s=floor,
-                    splice_s=splice,
-                    amortize_s=amortize,
-                    forget_s=forget,
-                    splice_over_floor=splice / floor,
-                    amortize_over_floor=amortize / floor,
-                    forget_over_amortize=forget / amortize,
-                )
-            )
-            r = rows[-1]
+            r = dict(downstream=d, floor_s=floor, splice_s=splice, amortize_s=amortize)
+            r |= dict(forget_s=forget, splice_over_floor=splice / floor)
+            r |= dict(amortize_over_floor=amortize / floor, forget_over_amortize=forget / amortize)
+            rows.append(r)
             print(
                 f"D={d:6d} floor {floor * 1e3:8.3f} ms | splice {splice * 1e3:8.3f} ms "
                 f"({r['splice_over_floor']:.1f}x floor) | amortize {amortize * 1e3:8.2f} ms "

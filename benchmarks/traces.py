@@ -64,6 +64,16 @@ def _text(rng: np.random.Generator, words: int) -> str:
     return " ".join(WORDS[i] for i in rng.integers(0, len(WORDS), words))
 
 
+def _tool_call(call_id: str, name: str, arguments: str, text: str, result: str) -> list[dict]:
+    """An assistant message (`text`) calling tool `name` with `arguments` (JSON), then the
+    tool's message with its `result`."""
+    call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+    return [
+        {"role": "assistant", "content": text, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call_id, "name": name, "content": result},
+    ]
+
+
 def synthetic(
     sessions: int = 8,
     turns: int = 8,
@@ -84,27 +94,9 @@ def synthetic(
         steps = []
         for t in range(turns):
             tool = TOOLS[int(rng.integers(0, len(TOOLS)))]["function"]["name"]
-            call_id = f"call_{s}_{t}"
-            messages.append(
-                {
-                    "role": "assistant",
-                    "content": _text(rng, 12),
-                    "tool_calls": [
-                        {
-                            "id": call_id,
-                            "type": "function",
-                            "function": {
-                                "name": tool,
-                                "arguments": json.dumps({"arg": _text(rng, 4)}),
-                            },
-                        }
-                    ],
-                }
-            )
+            text, arguments = _text(rng, 12), json.dumps({"arg": _text(rng, 4)})
             n = int(tool_words * rng.uniform(0.5, 1.5))
-            messages.append(
-                {"role": "tool", "tool_call_id": call_id, "name": tool, "content": _text(rng, n)}
-            )
+            messages += _tool_call(f"call_{s}_{t}", tool, arguments, text, _text(rng, n))
             steps.append({"messages": [dict(m) for m in messages], "tools": TOOLS})
         out.append({"id": f"synthetic-{seed}-{s}", "steps": steps})
     return add_reasoning(out, reasoning_words, seed) if reasoning_words else out
@@ -246,24 +238,8 @@ def bfcl(category: str = "base", limit: int | None = None) -> list[dict]:
             steps.append({"messages": [dict(m) for m in messages], "tools": tools})
             for c, call in enumerate(calls):
                 fn, kwargs, result = _bfcl_call(instances, call)
-                call_id = f"call_{t}_{c}"
-                messages.append(
-                    {
-                        "role": "assistant",
-                        "content": "",
-                        "tool_calls": [
-                            {
-                                "id": call_id,
-                                "type": "function",
-                                "function": {"name": fn, "arguments": json.dumps(kwargs)},
-                            }
-                        ],
-                    }
-                )
                 content = result if isinstance(result, str) else json.dumps(result, default=str)
-                messages.append(
-                    {"role": "tool", "tool_call_id": call_id, "name": fn, "content": content}
-                )
+                messages += _tool_call(f"call_{t}_{c}", fn, json.dumps(kwargs), "", content)
                 steps.append({"messages": [dict(m) for m in messages], "tools": tools})
         out.append({"id": q["id"], "steps": steps})
     return out

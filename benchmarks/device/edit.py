@@ -42,30 +42,27 @@ def run_arm(model, state, directive, runs: int) -> tuple:
     return state, out
 
 
+def describe(part: report.Part, config, sz) -> None:
+    """The part's device, splice implementation and config (and why it has fewer layers)."""
+    full = sz.hf["num_hidden_layers"]
+    note = None
+    if config.num_hidden_layers < full:
+        note = (
+            "fewer layers than the full config: 32k-token prefills through every layer do not "
+            "fit this part's time budget; both arms scale about linearly in layers"
+        )
+    cfg = dict(layers=config.num_hidden_layers, full_layers=full, layers_note=note)
+    cfg |= dict(prefix=sz.edit_prefix, span=sz.edit_span, stub=sz.edit_stub)
+    cfg |= dict(page_size=sz.page_size, weights="bfloat16")
+    part.set(device=measure.device_info(), splice=splice_impl(), config=cfg)
+
+
 def main(argv=None) -> None:
     args = report.parser(__doc__.splitlines()[0]).parse_args(argv)
     sz = sizes(args.smoke)
     with report.Part("edit", args) as part:
         config = config_from_hf(dict(sz.hf, num_hidden_layers=sz.edit_layers))
-        part.set(
-            device=measure.device_info(),
-            splice=splice_impl(),
-            config=dict(
-                layers=config.num_hidden_layers,
-                full_layers=sz.hf["num_hidden_layers"],
-                layers_note=(
-                    "fewer layers than the full config: 32k-token prefills through every layer "
-                    "do not fit this part's time budget; both arms scale about linearly in layers"
-                    if config.num_hidden_layers < sz.hf["num_hidden_layers"]
-                    else None
-                ),
-                prefix=sz.edit_prefix,
-                span=sz.edit_span,
-                stub=sz.edit_stub,
-                page_size=sz.page_size,
-                weights="bfloat16",
-            ),
-        )
+        describe(part, config, sz)
         model = measure.random_model(config, jnp.bfloat16)
         ps, top = sz.page_size, sz.edit_prefix + sz.edit_span + max(sz.edit_downstream)
         held, fresh = pages_for(top, ps), pages_for(sz.edit_stub + max(sz.edit_downstream), ps)
@@ -92,18 +89,10 @@ def main(argv=None) -> None:
                 times[mode.value] = samples[warm:]
             state = ll.free(state, 0)
             amortize, forget = (statistics.median(times[m]) for m in ("amortize", "forget"))
-            part.add(
-                dict(
-                    downstream=d,
-                    amortize_s=amortize,
-                    forget_s=forget,
-                    forget_over_amortize=forget / amortize,
-                    amortize_samples_s=times["amortize"],
-                    forget_samples_s=times["forget"],
-                    spliced_tokens=d,
-                    forget_prefilled_tokens=sz.edit_stub + d,
-                )
-            )
+            row = dict(downstream=d, amortize_s=amortize, forget_s=forget)
+            row |= dict(forget_over_amortize=forget / amortize)
+            row |= dict(amortize_samples_s=times["amortize"], forget_samples_s=times["forget"])
+            part.add(row | dict(spliced_tokens=d, forget_prefilled_tokens=sz.edit_stub + d))
 
 
 if __name__ == "__main__":

@@ -44,23 +44,15 @@ class Params:
         )
         body = c.num_hidden_layers * attn + h  # + the final norm
         sparse = sum(c.is_sparse(i) for i in range(c.num_hidden_layers))
-        router = h * c.n_routed_experts + (
-            c.n_routed_experts if c.router == ROUTER_SIGMOID_GROUPED else 0
-        )
+        bias = c.n_routed_experts if c.router == ROUTER_SIGMOID_GROUPED else 0  # the router's
+        router = h * c.n_routed_experts + bias
         shared = 3 * h * c.moe_intermediate_size * c.n_shared_experts
-        body += (
-            sparse * (router + shared)
-            + (c.num_hidden_layers - sparse) * 3 * h * c.intermediate_size
-        )
+        dense_mlp = 3 * h * c.intermediate_size
+        body += sparse * (router + shared) + (c.num_hidden_layers - sparse) * dense_mlp
         expert = 3 * h * c.moe_intermediate_size
-        embed = c.vocab_size * h
-        head = embed
-        total = (
-            body
-            + sparse * c.n_routed_experts * expert
-            + embed
-            + (0 if c.tie_word_embeddings else head)
-        )
+        embed = head = c.vocab_size * h
+        routed = sparse * c.n_routed_experts * expert
+        total = body + routed + embed + (0 if c.tie_word_embeddings else head)
         return cls(body, expert, sparse, head, embed, total)
 
 

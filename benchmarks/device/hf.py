@@ -115,21 +115,13 @@ def main(argv=None) -> None:
         if not cuda:
             torch.set_num_threads(os.cpu_count() or 1)
         model = build(sz.hf, device)
-        part.set(
-            device=dict(
-                torch_device=str(next(model.parameters()).device),
-                name=torch.cuda.get_device_name() if cuda else "cpu",
-                torch=torch.__version__,
-                transformers=importlib.metadata.version("transformers"),
-            ),
-            config=dict(
-                layers=sz.hf["num_hidden_layers"],
-                weights="bfloat16",
-                attn_implementation=getattr(model.config, "_attn_implementation", None),
-                experts_implementation=getattr(model.config, "_experts_implementation", None),
-                decode_context=sz.decode_context,
-            ),
-        )
+        dev = dict(torch_device=str(next(model.parameters()).device))
+        dev |= dict(name=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__)
+        dev |= dict(transformers=importlib.metadata.version("transformers"))
+        cfg = dict(layers=sz.hf["num_hidden_layers"], weights="bfloat16")
+        names = ("attn_implementation", "experts_implementation")  # transformers' choices
+        cfg |= {k: getattr(model.config, f"_{k}", None) for k in names}
+        part.set(device=dev, config=cfg | dict(decode_context=sz.decode_context))
         runs = Runs(model, sz, device, cuda)
         with torch.inference_mode():
             for c in part.each(sz.decode_batches, "decode {}"):

@@ -29,14 +29,9 @@ class Collector:
         failed_setup = report.when in ("setup", "teardown") and report.failed
         if report.when == "call" or failed_setup or (report.when == "setup" and report.skipped):
             outcome = "error" if failed_setup else report.outcome
-            self.tests.append(
-                dict(
-                    test=report.nodeid,
-                    outcome=outcome,
-                    duration_s=report.duration,
-                    detail=str(report.longrepr)[-2000:] if report.longrepr else None,
-                )
-            )
+            detail = str(report.longrepr)[-2000:] if report.longrepr else None
+            test = dict(test=report.nodeid, outcome=outcome, duration_s=report.duration)
+            self.tests.append(test | dict(detail=detail))
 
     def pytest_collectreport(self, report):
         if report.failed:

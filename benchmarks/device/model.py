@@ -68,21 +68,12 @@ def describe(part: report.Part, model, sz, flop_s: float, bytes_s: float) -> Non
     held = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     if counted != held:  # the floors would count a model other than this one
         raise AssertionError(f"floors count {counted} parameters, the model holds {held}")
-    part.set(
-        device=measure.device_info(),
-        peaks=dict(bf16_matmul_flop_s=flop_s, copy_bytes_s=bytes_s),
-        config=dict(
-            layers=config.num_hidden_layers,
-            params=held,
-            hidden=config.hidden_size,
-            experts=config.n_routed_experts,
-            experts_per_token=config.num_experts_per_tok,
-            vocab=config.vocab_size,
-            weights="bfloat16",
-            page_size=sz.page_size,
-            decode_context=sz.decode_context,
-        ),
-    )
+    cfg = dict(layers=config.num_hidden_layers, params=held, hidden=config.hidden_size)
+    cfg |= dict(experts=config.n_routed_experts, experts_per_token=config.num_experts_per_tok)
+    cfg |= dict(vocab=config.vocab_size, weights="bfloat16", page_size=sz.page_size)
+    cfg |= dict(decode_context=sz.decode_context)
+    peaks = dict(bf16_matmul_flop_s=flop_s, copy_bytes_s=bytes_s)
+    part.set(device=measure.device_info(), peaks=peaks, config=cfg)
 
 
 class Runs:
@@ -152,20 +143,8 @@ def main(argv=None) -> None:
 
         def row(kind: str, size: int, ours: float, cost: tuple) -> None:
             floor, theirs = floors.floor_s(cost, flop_s, bytes_s), hf.get((kind, size))
-            part.add(
-                dict(
-                    kind=kind,
-                    size=size,
-                    time_s=ours,
-                    ours_tok_s=size / ours,
-                    floor_tok_s=size / floor,
-                    ours_over_floor=ours / floor,
-                    flops=cost[0],
-                    bytes=cost[1],
-                    hf_tok_s=size / theirs if theirs else None,
-                    speedup_vs_hf=theirs / ours if theirs else None,
-                )
-            )
+            row = dict(kind=kind, size=size, time_s=ours, flops=cost[0], bytes=cost[1])
+            part.add(row | harness.beside(size, ours, floor, theirs))
 
         runs = Runs(model, sz)
         context = sz.decode_context + sz.decode_warmup + sz.decode_steps // 2

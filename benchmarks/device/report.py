@@ -53,16 +53,8 @@ class Part:
     def __init__(self, name: str, args: argparse.Namespace):
         self.path, self.budget, self.smoke = args.out, args.budget, args.smoke
         self.t0 = time.monotonic()
-        self.data = {
-            "part": name,
-            "status": "running",
-            "smoke": args.smoke,
-            "budget_s": args.budget,
-            "elapsed_s": 0.0,
-            "rows": [],
-            "skipped": [],
-            "error": None,
-        }
+        self.data = dict(part=name, status="running", smoke=args.smoke, budget_s=args.budget)
+        self.data |= dict(elapsed_s=0.0, rows=[], skipped=[], error=None)
 
     def __enter__(self) -> Part:
         self.write()

@@ -43,51 +43,34 @@ SMOKE_HF = dict(
 
 @dataclasses.dataclass(frozen=True)
 class Sizes:
-    """Lengths and repeats of every part. `edit_layers` < the config's layers: (c) prefills
-    32k-token sequences several times, which at 27 layers would not fit its time budget; both
-    arms scale about linearly in layers, so their ratio survives the cut (the JSON says so)."""
+    """Lengths and repeats of every part, full size by default. `edit_layers` < the config's
+    layers: (c) prefills 32k-token sequences several times, which at 27 layers would not fit its
+    time budget; both arms scale about linearly in layers, so their ratio survives the cut (the
+    JSON says so)."""
 
-    hf: dict  # the Hugging Face config dict every part builds its model from
-    page_size: int
+    hf: dict = dataclasses.field(default_factory=lambda: V2_LITE_HF)  # every part's model
+    page_size: int = 16
     # (b) the splice pass alone
-    splice_downstream: tuple[int, ...]
+    splice_downstream: tuple[int, ...] = (8192, 32768, 131072)
     # (c) AMORTIZE vs FORGET: a prefix, a span replaced by a stub, then D downstream tokens
-    edit_downstream: tuple[int, ...]
-    edit_layers: int
-    edit_prefix: int
-    edit_span: int
-    edit_stub: int
-    edit_forget_repeats: int  # FORGET re-prefills D tokens per run: the costliest timed run
+    edit_downstream: tuple[int, ...] = (8192, 32768)
+    edit_layers: int = 4
+    edit_prefix: int = 1024
+    edit_span: int = 64
+    edit_stub: int = 20
+    edit_forget_repeats: int = 1  # FORGET re-prefills D tokens per run: the costliest timed run
     # (d) the whole model (decode runs first: its largest batch is the target)
-    prefill_lengths: tuple[int, ...]
-    decode_batches: tuple[int, ...]
-    decode_context: int  # tokens each decoding sequence holds before the timed steps
-    decode_steps: int  # timed steps per batch (after `decode_warmup`)
-    decode_warmup: int
-    repeats: int  # timed runs of everything else (after one warm-up run)
-    copy_bytes: int  # buffer of the bandwidth measurement
-    matmul_n: int  # n of the n x n x n bf16 matmul that measures the flop rate
+    prefill_lengths: tuple[int, ...] = (512, 2048, 8192)
+    decode_batches: tuple[int, ...] = (32, 8, 1)  # the target's first: kept if time runs out
+    decode_context: int = 512  # tokens each decoding sequence holds before the timed steps
+    decode_steps: int = 10  # timed steps per batch (after `decode_warmup`)
+    decode_warmup: int = 2
+    repeats: int = 3  # timed runs of everything else (after one warm-up run)
+    copy_bytes: int = 4 << 30  # buffer of the bandwidth measurement
+    matmul_n: int = 8192  # n of the n x n x n bf16 matmul that measures the flop rate
 
 
-FULL = Sizes(
-    hf=V2_LITE_HF,
-    page_size=16,
-    splice_downstream=(8192, 32768, 131072),
-    edit_downstream=(8192, 32768),
-    edit_layers=4,
-    edit_prefix=1024,
-    edit_span=64,
-    edit_stub=20,
-    edit_forget_repeats=1,
-    prefill_lengths=(512, 2048, 8192),
-    decode_batches=(32, 8, 1),  # the target's batch first: it is kept if time runs out
-    decode_context=512,
-    decode_steps=10,
-    decode_warmup=2,
-    repeats=3,
-    copy_bytes=4 << 30,
-    matmul_n=8192,
-)
+FULL = Sizes()
 
 # Toy lengths picked to share compiled shapes (the step's token and row buckets: every prefill
 # here and the decode contexts run bucket 64, both decode batches bucket 4; both edits' prefills
@@ -95,14 +78,12 @@ FULL = Sizes(
 # minutes running every code path rather than compiling each length anew.
 SMOKE = Sizes(
     hf=SMOKE_HF,
-    page_size=16,
     splice_downstream=(256, 1024),
     edit_downstream=(130, 170),
     edit_layers=2,
     edit_prefix=64,
     edit_span=16,
     edit_stub=5,
-    edit_forget_repeats=1,
     prefill_lengths=(40, 52, 64),
     decode_batches=(4, 3),
     decode_context=64,

@@ -81,36 +81,18 @@ def main(argv=None) -> None:
         config = config_from_hf(sz.hf)
         bw = harness.copy_bandwidth(sz.copy_bytes, iters=10, fresh=True)
         device = measure.device_info()
-        part.set(
-            device=device,
-            **splice_impl(),
-            copy_bandwidth=bw,
-            config=dict(
-                layers=config.num_hidden_layers,
-                kv_lora_rank=config.kv_lora_rank,
-                qk_rope_head_dim=config.qk_rope_head_dim,
-                page_size=sz.page_size,
-                c_kv_dtype="bfloat16",
-                k_pe_dtype="float32",
-            ),
-        )
+        cfg = dict(layers=config.num_hidden_layers, kv_lora_rank=config.kv_lora_rank)
+        cfg |= dict(qk_rope_head_dim=config.qk_rope_head_dim, page_size=sz.page_size)
+        cfg |= dict(c_kv_dtype="bfloat16", k_pe_dtype="float32")
+        part.set(device=device, **splice_impl(), copy_bandwidth=bw, config=cfg)
         spec = (device["spec_peaks"] or {}).get("hbm_bytes_s")
         for d in part.each(sz.splice_downstream, "downstream={}"):
             samples, runs = time_splice(config, sz, d, iters=3 if args.smoke else 10)
             t = statistics.median(samples)
             nbytes = d * kv_bytes_per_token(config) * 2
-            part.add(
-                dict(
-                    downstream=d,
-                    runs=runs,
-                    splice_s=t,
-                    samples_s=samples,
-                    bytes=nbytes,
-                    bytes_s=nbytes / t,
-                    fraction_of_copy_bw=nbytes / t / bw["bytes_s"],
-                    fraction_of_spec_bw=nbytes / t / spec if spec else None,
-                )
-            )
+            row = dict(downstream=d, runs=runs, splice_s=t, samples_s=samples, bytes=nbytes)
+            row |= dict(bytes_s=nbytes / t, fraction_of_copy_bw=nbytes / t / bw["bytes_s"])
+            part.add(row | dict(fraction_of_spec_bw=nbytes / t / spec if spec else None))
 
 
 if __name__ == "__main__":

@@ -37,18 +37,15 @@ def _version(name: str) -> str | None:
 def git_commit() -> dict | None:
     """The checkout's commit (and whether it has changes); LEYLINE_COMMIT where there is no
     .git (a device machine gets a copy of the working tree, not the repository)."""
+
+    def git(*args) -> str:
+        return subprocess.run(
+            ["git", *args], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+
     try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        return {"commit": commit, "dirty": bool(dirty)}
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+        return {"commit": git("rev-parse", "HEAD"), "dirty": bool(dirty)}
     except (OSError, subprocess.CalledProcessError):
         given = os.environ.get("LEYLINE_COMMIT")
         return {"commit": given, "dirty": None} if given else None

@@ -67,15 +67,9 @@ def _splice(splice: dict) -> list[str]:
     cfg, bw = splice["config"], splice["copy_bandwidth"]
     header = ["downstream", "runs", "time", "bytes", "GB/s", "of copy bw", "of spec HBM"]
     rows = [
-        [
-            str(r["downstream"]),
-            str(r["runs"]),
-            _ms(r["splice_s"]),
-            f"{r['bytes'] / 1e6:.0f} MB",
-            _num(r["bytes_s"] / 1e9, ".0f"),
-            _num(r["fraction_of_copy_bw"], ".0%"),
-            _num(r["fraction_of_spec_bw"], ".0%"),
-        ]
+        [str(r["downstream"]), str(r["runs"]), _ms(r["splice_s"]), f"{r['bytes'] / 1e6:.0f} MB"]
+        + [_num(r["bytes_s"] / 1e9, ".0f")]
+        + [_num(r[k], ".0%") for k in ("fraction_of_copy_bw", "fraction_of_spec_bw")]
         for r in splice["rows"]
     ]
     return [
@@ -94,12 +88,8 @@ def _edit(edit: dict) -> list[str]:
     cfg = edit["config"]
     note = f" ({cfg['layers_note']})" if cfg.get("layers_note") else ""
     rows = [
-        [
-            str(r["downstream"]),
-            _ms(r["amortize_s"]),
-            _ms(r["forget_s"]),
-            _num(r["forget_over_amortize"], ".3g", "x"),
-        ]
+        [str(r["downstream"]), _ms(r["amortize_s"]), _ms(r["forget_s"])]
+        + [_num(r["forget_over_amortize"], ".3g", "x")]
         for r in edit["rows"]
     ]
     return [
@@ -117,15 +107,9 @@ def _model(model: dict, hf: dict | None) -> list[str]:
     hf_cfg, hf_dev = (hf or {}).get("config", {}), (hf or {}).get("device", {})
     header = ["kind", "size", "ours tok/s", "HF tok/s", "floor tok/s", "ours / HF", "time / floor"]
     rows = [
-        [
-            r["kind"],
-            str(r["size"]),
-            _num(r["ours_tok_s"], ".4g"),
-            _num(r["hf_tok_s"], ".4g"),
-            _num(r["floor_tok_s"], ".4g"),
-            _num(r["speedup_vs_hf"], ".2f"),
-            _num(r["ours_over_floor"], ".1f"),
-        ]
+        [r["kind"], str(r["size"])]
+        + [_num(r[k], ".4g") for k in ("ours_tok_s", "hf_tok_s", "floor_tok_s")]
+        + [_num(r["speedup_vs_hf"], ".2f"), _num(r["ours_over_floor"], ".1f")]
         for r in sorted(model["rows"], key=lambda r: (r["kind"] != "prefill", r["size"]))
     ]
     return [

@@ -173,13 +173,8 @@ def make_engine(model, work, slots: int, *, max_new: int, config=None, **setting
     config = dataclasses.replace(config or EngineConfig(), **settings)
     ps = config.page_size
     per_seq = allocator.pages_for(max(len(s) for steps in work for s in steps) + max_new + ps, ps)
-    return Engine(
-        model,
-        config,
-        num_pages=(slots + 2) * per_seq * 2,
-        max_seqs=slots,
-        max_seq_len=per_seq * ps,
-    )
+    pool = dict(num_pages=(slots + 2) * per_seq * 2, max_seqs=slots, max_seq_len=per_seq * ps)
+    return Engine(model, config, **pool)
 
 
 def run_arm(
@@ -202,12 +197,8 @@ def run_arm(
     slots = concurrency if slots is None else slots
     engine = make_engine(model, work, slots, max_new=max_new, config=config, **settings)
     submit = _submitter(engine, work, arm, SamplingParams(max_new_tokens=max_new), scratch)
-    bar = tqdm(
-        total=sum(len(s) for s in work),
-        desc=f"{arm} C={concurrency}",
-        disable=not progress,
-        leave=False,
-    )
+    steps, desc = sum(len(s) for s in work), f"{arm} C={concurrency}"
+    bar = tqdm(total=steps, desc=desc, disable=not progress, leave=False)
     before = compiled()
     t0 = time.perf_counter()
     records = _closed_loop(engine, work, concurrency, submit, bar)
