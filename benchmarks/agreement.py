@@ -19,7 +19,6 @@ language behaviour).
 
 from __future__ import annotations
 
-import argparse
 import os
 import tempfile
 
@@ -67,20 +66,14 @@ def run(model, scenarios: int, max_attempts: int) -> dict:
         kept += 1
         key = follows(amortize, full, forget)
         counts[key if key == "neither" else f"agree_{key}"] += 1
-    return {
-        "scenarios": kept,
-        "attempts": attempts,
-        **counts,
-        "rate_full": counts["agree_full"] / max(kept, 1),
-        "rate_forget": counts["agree_forget"] / max(kept, 1),
-    }
+    rates = {f"rate_{k}": counts[f"agree_{k}"] / max(kept, 1) for k in ("full", "forget")}
+    return {"scenarios": kept, "attempts": attempts, **counts, **rates}
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__, what="write the results (per family) as JSON here")
     ap.add_argument("--scenarios", type=int, default=100)
     ap.add_argument("--max-attempts", type=int, default=3000)
-    ap.add_argument("--out", default=None, help="write the results (per family) as JSON here")
     args = ap.parse_args(argv)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -40,7 +40,6 @@ and writes what it reached.
 
 from __future__ import annotations
 
-import argparse
 import json
 import signal
 import time
@@ -56,8 +55,10 @@ from benchmarks.fidelity import (
     follows,
     greedy,
     kl,
+    parser,
     pct_ci,
     progress,
+    rates,
     save,
     scenario,
     setup,
@@ -84,18 +85,14 @@ class Stop:
         self.requested = True
 
 
-def budget(fraction: float, span: tuple[int, int]) -> int:
-    """DECAY's budget for one evicted span: round(fraction * length), at least 1."""
-    s, e = span
-    return max(1, round(fraction * (e - s)))
-
-
 def directives(arm: str, spans, stub) -> list[ll.Directive]:
-    """The edit an arm applies to the cached context (one directive per evicted span)."""
+    """The edit an arm applies to the cached context (one directive per evicted span; DECAY's
+    budget: round(fraction * the span's length), at least 1)."""
     if arm in ("forget", "amortize"):
         return [ll.Directive(s, e, stub, ll.Mode(arm)) for s, e in spans]
     f = FRACTIONS[ARMS.index(arm) - 3]
-    return [ll.Directive(s, e, stub, ll.Mode.DECAY, budget=budget(f, (s, e))) for s, e in spans]
+    decay = ll.Mode.DECAY
+    return [ll.Directive(s, e, stub, decay, budget=max(1, round(f * (e - s)))) for s, e in spans]
 
 
 def run_scenario(model, state, sc, decode: int):
@@ -172,9 +169,20 @@ class Counts:
                 text = chat.tok.decode(o[:RECALL_TOKENS])
                 self.hits[arm].append(answer.lower() in text.lower())
 
+    def recall(self, h: list[bool]) -> dict:
+        """One arm's recall: hits, rate, Wilson interval, and as a fraction of full's."""
+        n, hits, base = len(h), int(sum(h)), np.asarray(self.hits["full"], np.float64)
+        of_full = ratio_interval(np.asarray(h, np.float64), base)
+        out = dict(hits=hits, rate=hits / max(n, 1), ci=wilson(hits, n))
+        return out | dict(of_full=hits / max(base.sum(), 1), of_full_ci=of_full)
+
+    def kv(self, arm: str) -> dict:
+        """The KV an arm holds: tokens of the edited context, of the evicted spans kept (means)."""
+        held, kept = np.mean(self.held[arm]), np.mean(self.span_kept[arm])
+        return {"context_tokens_mean": float(held), "span_tokens_kept_mean": float(kept)}
+
     def result(self, path: str, stopped: bool, seconds: float, warmup: float) -> dict:
-        kept, n_recall = self.kept, len(self.hits["full"])
-        base = np.asarray(self.hits["full"], np.float64)
+        kept, arms = self.kept, self.agree.items()
         return {
             "model": path,
             "attempts": self.attempts,
@@ -182,54 +190,28 @@ class Counts:
             "seconds": round(seconds, 1),
             "warmup_seconds": round(warmup, 1),
             "fractions": list(FRACTIONS),
-            "agreement": {
-                "scenarios": kept,
-                **{
-                    arm: {
-                        **c,
-                        **{f"rate_{k}": v / max(kept, 1) for k, v in c.items()},
-                        **{f"ci_{k}": wilson(v, kept) for k, v in c.items()},
-                    }
-                    for arm, c in self.agree.items()
-                },
-            },
+            "agreement": {"scenarios": kept, **{arm: c | rates(c, kept) for arm, c in arms}},
             "recall": {
-                "questions": n_recall,
-                **{
-                    arm: {
-                        "hits": int(sum(h)),
-                        "rate": sum(h) / max(n_recall, 1),
-                        "ci": wilson(int(sum(h)), n_recall),
-                        "of_full": sum(h) / max(base.sum(), 1),
-                        "of_full_ci": ratio_interval(np.asarray(h, np.float64), base),
-                    }
-                    for arm, h in self.hits.items()
-                },
+                "questions": len(self.hits["full"]),
+                **{arm: self.recall(h) for arm, h in self.hits.items()},
             },
             "kl_from_full": {arm: _stats(v) for arm, v in self.kls.items()},
             "kv": {
                 "evicted_span_tokens_mean": float(np.mean(self.span_total)),
-                **{
-                    arm: {
-                        "context_tokens_mean": float(np.mean(self.held[arm])),
-                        "span_tokens_kept_mean": float(np.mean(self.span_kept[arm])),
-                    }
-                    for arm in ARMS
-                },
+                **{arm: self.kv(arm) for arm in ARMS},
             },
             "apply_seconds": {arm: _stats(v) for arm, v in self.seconds.items()},
         }
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--scenarios", type=int, default=100, help="disagreeing scenarios wanted")
     ap.add_argument("--max-attempts", type=int, default=400)
     ap.add_argument("--recall", type=int, default=100, help="evicted-fact questions answered")
     args, path, model, chat, state = setup(ap, argv, max_seqs=len(ARMS), num_pages=512)
-    t0 = time.perf_counter()
-    state, *_ = run_scenario(model, state, scenario(0, chat), RECALL_TOKENS)  # warm-up
-    warmup = time.perf_counter() - t0
+    warm = scenario(0, chat)
+    (state, *_), warmup = harness.clocked(lambda: run_scenario(model, state, warm, RECALL_TOKENS))
     n, stop = Counts(), Stop()
     t0 = time.perf_counter()
     while (

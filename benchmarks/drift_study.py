@@ -21,8 +21,6 @@ prefill caches) against Δ · inv_freq.
 
 from __future__ import annotations
 
-import argparse
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -43,9 +41,8 @@ def _rotate(x, cos, sin, xp=np):
 
 
 def inv_freq32() -> np.ndarray:
-    return (1.0 / THETA ** (np.arange(0, DR, 2, dtype=np.float32) / np.float32(DR))).astype(
-        np.float32
-    )
+    exponents = np.arange(0, DR, 2, dtype=np.float32) / np.float32(DR)
+    return (1.0 / THETA**exponents).astype(np.float32)
 
 
 def rope64(x: np.ndarray, pos: np.ndarray) -> np.ndarray:
@@ -109,9 +106,8 @@ def drift(keys: int, seed: int) -> list[dict]:
             done = n
             ref = rope64(x, pos)
             fresh = _rel_l2(embed_fp32(x, pos, dtype), ref)
-            rows.append(
-                dict(arm=arm, splices=n, rel_l2=_rel_l2(k, ref), fresh_prefill_rel_l2=fresh)
-            )
+            err = _rel_l2(k, ref)
+            rows.append(dict(arm=arm, splices=n, rel_l2=err, fresh_prefill_rel_l2=fresh))
     return rows
 
 
@@ -127,50 +123,33 @@ def phase_methods(keys: int, seed: int) -> list[dict]:
         delta = rng.integers(-1024, 1025, keys)
         new = pos + delta
         k = embed_fp32(x, pos, jnp.float32)
-        by_phase = _step_fp32_math(
-            k, jnp.asarray(pos, jnp.int32), jnp.asarray(new, jnp.int32), jnp.asarray(inv)
-        )
+        pos32, new32 = jnp.asarray(pos, jnp.int32), jnp.asarray(new, jnp.int32)
+        by_phase = _step_fp32_math(k, pos32, new32, jnp.asarray(inv))
         ang = (delta.astype(np.float32)[:, None] * inv).astype(np.float32)
         by_delta = _rotate(np.asarray(k), np.cos(ang), np.sin(ang))
         fresh = np.asarray(embed_fp32(x, new, jnp.float32), np.float64)
         exact = rope64(x, new)
-        rows.append(
-            dict(
-                position=base,
-                phase_diff_vs_fresh=_rel_l2(by_phase, fresh),
-                delta_inv_vs_fresh=_rel_l2(by_delta, fresh),
-                phase_diff_vs_exact=_rel_l2(by_phase, exact),
-                delta_inv_vs_exact=_rel_l2(by_delta, exact),
-                fresh_vs_exact=_rel_l2(fresh, exact),
-            )
-        )
+        refs = {"fresh": fresh, "exact": exact}
+        ways = {"phase_diff": by_phase, "delta_inv": by_delta}
+        errors = {f"{w}_vs_{r}": _rel_l2(y, z) for r, z in refs.items() for w, y in ways.items()}
+        rows.append(dict(position=base, **errors, fresh_vs_exact=_rel_l2(fresh, exact)))
     return rows
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--keys", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     rows = drift(args.keys, args.seed)
-    print(f"{'arm':24s} {'splices':>8s} {'rel L2 vs exact':>16s} {'fresh prefill':>14s}")
-    for r in rows:
-        print(
-            f"{r['arm']:24s} {r['splices']:8d} {r['rel_l2']:16.3e} "
-            f"{r['fresh_prefill_rel_l2']:14.3e}"
-        )
+    errors = ("rel_l2", "fresh_prefill_rel_l2")
+    cells = [[r["arm"], str(r["splices"]), *(f"{r[k]:.3e}" for k in errors)] for r in rows]
+    print("\n".join(harness.table(["arm", "splices", "rel L2 vs exact", "fresh prefill"], cells)))
     phases = phase_methods(args.keys, args.seed)
-    print(
-        f"\n{'position':>8s} {'θ-diff vs fresh':>16s} {'Δ·inv vs fresh':>15s} "
-        f"{'θ-diff vs exact':>16s} {'Δ·inv vs exact':>15s} {'fresh vs exact':>15s}"
-    )
-    for r in phases:
-        print(
-            f"{r['position']:8d} {r['phase_diff_vs_fresh']:16.3e} {r['delta_inv_vs_fresh']:15.3e} "
-            f"{r['phase_diff_vs_exact']:16.3e} {r['delta_inv_vs_exact']:15.3e} "
-            f"{r['fresh_vs_exact']:15.3e}"
-        )
+    header = ["position", "θ-diff vs fresh", "Δ·inv vs fresh", "θ-diff vs exact"]
+    header += ["Δ·inv vs exact", "fresh vs exact"]
+    cells = [[str(r["position"]), *(f"{r[k]:.3e}" for k in list(r)[1:])] for r in phases]
+    print("\n".join(["", *harness.table(header, cells, "r" * 6)]))
     harness.save_json(args.out, {"drift": rows, "phase_methods": phases})
 
 

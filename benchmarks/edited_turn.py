@@ -23,7 +23,6 @@ engine defaults (bf16 c_kv, fp32 k_pe, page 16).
 
 from __future__ import annotations
 
-import argparse
 import functools
 import statistics
 import tempfile
@@ -78,9 +77,7 @@ def one_round(model, engines: dict, cold: Engine, context, new) -> dict[str, flo
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--out")
+    ap = harness.parser(__doc__, repeats=7)
     args = ap.parse_args(argv)
     model = ll.load_model(write_random_checkpoint(tempfile.mkdtemp(), CONFIG, seed=0))
     rng = np.random.default_rng(0)

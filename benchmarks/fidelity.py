@@ -39,7 +39,6 @@ Writes `OUT.json` and `OUT.md`.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import time
@@ -135,16 +134,13 @@ def scenario(i: int, chat: Chat):
         tool = str(rng.choice(list(TOOLS)))
         fields = TOOLS[tool][: int(rng.integers(4, len(TOOLS[tool]) + 1))]
         record = {f: _value(f, rng) for f in fields}
-        key_field = fields[0]
-        call = f'Calling {tool}({{"query": "{record[key_field]}"}}).'
+        call = f'Calling {tool}({{"query": "{record[fields[0]]}"}}).'
         ids += chat.message("assistant", call)[0]
-        body = json.dumps(record)
-        m, c0, c1 = chat.message("tool", body)
+        m, c0, c1 = chat.message("tool", json.dumps(record))
         spans.append((len(ids) + c0, len(ids) + c1))
         records.append((tool, record, r < evicted))
         ids += m
-    k = evicted
-    stub = chat.encode(f"[evicted: {k} older tool output{'s' if k > 1 else ''}]")
+    stub = chat.encode(f"[evicted: {evicted} older tool output{'s' if evicted > 1 else ''}]")
     tool, record, was_evicted = records[int(rng.integers(0, evicted))]  # an evicted record
     field = str(rng.choice(list(record)[1:]))
     q = question(chat, tool, record, field)
@@ -170,6 +166,12 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
     return (max(0.0, c - h), min(1.0, c + h))
 
 
+def rates(counts: dict, n: int) -> dict:
+    """Each of `counts` (out of n) as a rate (`rate_K`) and its Wilson interval (`ci_K`)."""
+    out = {f"rate_{k}": v / max(n, 1) for k, v in counts.items()}
+    return out | {f"ci_{k}": wilson(v, n) for k, v in counts.items()}
+
+
 def kl(p_logits: np.ndarray, q_logits: np.ndarray) -> float:
     """KL(p || q) of two next-token distributions given as logits (float64)."""
 
@@ -189,11 +191,7 @@ def follows(token: int, full: int, forget: int) -> str:
 
 
 def spread(v) -> dict:
-    return {
-        "median": float(np.median(v)),
-        "mean": float(np.mean(v)),
-        "p90": float(np.percentile(v, 90)),
-    }
+    return dict(median=float(np.median(v)), mean=float(np.mean(v)), p90=float(np.percentile(v, 90)))
 
 
 def pct_ci(x: float, ci) -> str:
@@ -220,18 +218,22 @@ def progress(attempts: int, kept: int, recalls: int, t0: float) -> None:
         print(f"{attempts} tried, {kept} disagreeing, {recalls} recall, {s:.0f} s", flush=True)
 
 
-def setup(ap: argparse.ArgumentParser, argv, max_seqs: int, num_pages: int) -> tuple:
-    """The studies' start: `--model` and `--out` added to `ap`, the arguments parsed, the model
-    (a .gguf file, default SmolLM2-135M-Instruct's) loaded and an empty fp32 paged state made
-    for it: (args, path, model, its `Chat`, state)."""
+def parser(doc: str):
+    """The studies' command line: `--out` (OUT.json and OUT.md) and `--model`."""
+    ap = harness.parser(doc, what="write OUT.json and OUT.md")
     ap.add_argument("--model", default=None, help="a .gguf file (default: SmolLM2-135M)")
-    ap.add_argument("--out", default=None, help="write OUT.json and OUT.md")
+    return ap
+
+
+def setup(ap, argv, max_seqs: int, num_pages: int) -> tuple:
+    """The studies' start: the arguments parsed, the model (a .gguf file, default
+    SmolLM2-135M-Instruct's) loaded and an empty fp32 paged state made for it: (args, path,
+    model, its `Chat`, state)."""
     args = ap.parse_args(argv)
     path = args.model or str(gguf.smollm2_path())
     model, chat = ll.load_model(path), Chat(gguf.gguf_tokenizer(path))
-    state = ll.init_state(
-        model.config, num_pages=num_pages, page_size=16, max_seqs=max_seqs, kv_dtype=jnp.float32
-    )
+    size = dict(num_pages=num_pages, page_size=16, max_seqs=max_seqs, kv_dtype=jnp.float32)
+    state = ll.init_state(model.config, **size)
     return args, path, model, chat, state
 
 
@@ -254,9 +256,8 @@ def run_scenario(model, state, sc, decode: int):
     state = ll.fork(state, 0, 1)
     state = ll.fork(state, 0, 2)
     for seq, mode in ((1, ll.Mode.FORGET), (2, ll.Mode.AMORTIZE)):
-        state = ll.apply_directives(
-            model, state, seq, [ll.Directive(s, e, stub, mode) for s, e in spans]
-        )
+        edit = [ll.Directive(s, e, stub, mode) for s, e in spans]
+        state = ll.apply_directives(model, state, seq, edit)
     state, logits, outs = greedy(model, state, [0, 1, 2], [q, q, q], decode)
     for seq in (0, 1, 2):
         state = ll.free(state, seq)
@@ -309,21 +310,13 @@ def study(args, model, chat: Chat, state) -> dict:
 def results(path: str, c: dict) -> dict:
     """The JSON of a study (`study`'s counts)."""
     kept, agree, recall, recall_n = c["kept"], c["agree"], c["recall"], c["recall_n"]
+    followed = {k.removeprefix("agree_"): v for k, v in agree.items()}
     return {
         "model": path,
         "attempts": c["attempts"],
         "seconds": round(c["seconds"], 1),
-        "agreement": {
-            "scenarios": kept,
-            **agree,
-            **{f"rate_{k.removeprefix('agree_')}": v / max(kept, 1) for k, v in agree.items()},
-            **{f"ci_{k.removeprefix('agree_')}": wilson(v, kept) for k, v in agree.items()},
-        },
-        "recall": {
-            "questions": recall_n,
-            **{f"rate_{a}": recall[a] / max(recall_n, 1) for a in ARMS},
-            **{f"ci_{a}": wilson(recall[a], recall_n) for a in ARMS},
-        },
+        "agreement": {"scenarios": kept, **agree, **rates(followed, kept)},
+        "recall": {"questions": recall_n, **rates(recall, recall_n)},
         "kl_from_full": {arm: {"scenarios": len(v), **spread(v)} for arm, v in c["kls"].items()},
         "continuations": {
             arm: {
@@ -337,7 +330,7 @@ def results(path: str, c: dict) -> dict:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--scenarios", type=int, default=200, help="disagreeing scenarios wanted")
     ap.add_argument("--max-attempts", type=int, default=1200)
     ap.add_argument("--recall", type=int, default=100, help="evicted-fact questions answered")

@@ -14,11 +14,14 @@ samples: `copy_bandwidth` (an fp32 `x + 1` pass in place on a donated buffer and
 matmul of random values). `beside`: a row's rates against its floor and Hugging Face's.
 
 `table`: the lines of one markdown table, `section` one under its caption; `save_json`: a
-result file. `BENCH_HF_CONFIG`: the CPU benchmarks' model.
+result file; `percentile`. `parser`: a benchmark's command line (`--out`, `--repeats`,
+`--compile-cache`); `platform`: jax's version and backend. `BENCH_HF_CONFIG`: the CPU
+benchmarks' model.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import time
@@ -154,7 +157,34 @@ def beside(size: int, ours: float, floor: float, theirs: float | None) -> dict:
     )
 
 
-# ---- files ---------------------------------------------------------------------------------------
+# ---- command lines and files --------------------------------------------------------------------
+def parser(doc: str, *, out=None, repeats: int | None = None, cache: bool = False, what=None):
+    """A benchmark's command line: `doc`'s first paragraph as its description, `--out` (default
+    `out`; `what` says what it names), `--repeats` when given a default, `--compile-cache`
+    with `cache`."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--out", default=out, help=what or "write the results as JSON here")
+    if repeats is not None:
+        ap.add_argument("--repeats", type=int, default=repeats)
+    if cache:
+        add_compile_cache(ap)
+    return ap
+
+
+def add_compile_cache(ap: argparse.ArgumentParser) -> None:
+    text = "keep compiled programs in DIR (default: serve.compile_cache's; off: none)"
+    ap.add_argument("--compile-cache", default=None, help=text)
+
+
+def platform() -> str:
+    return f"jax {jax.__version__} on {jax.devices()[0].platform}"
+
+
+def percentile(xs, q: float, empty: float = float("nan")) -> float:
+    """The q-th percentile of `xs` (`empty` when there are none)."""
+    return float(np.percentile(np.asarray(xs, np.float64), q)) if len(xs) else empty
+
+
 def save_json(path: str | None, data, indent: int = 2) -> None:
     """`data` as JSON in `path` (nothing when `path` is empty: no `--out`)."""
     if path:

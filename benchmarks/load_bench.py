@@ -46,9 +46,7 @@ def _child(how: str, path: str) -> None:
         """Bytes: the peak resident set of this process since it started (`VmHWM`). Not
         `ru_maxrss`: Linux carries that across exec from the parent at fork time, so a child of
         a big process (a pytest run) would start at its parent's peak."""
-        with open("/proc/self/status") as f:
-            line = next(line for line in f if line.startswith("VmHWM:"))
-        return int(line.split()[1]) << 10  # reported in kB
+        return _proc_bytes("/proc/self/status", "VmHWM")
 
     jax.devices()  # the backend starts before the baseline, not inside the load
     baseline = peak()
@@ -95,9 +93,10 @@ def largest_tensor_bytes(hf_config: dict, dtype: str = "bf16") -> int:
     return max(math.prod(s) for s in shapes) * DTYPES[dtype][1]
 
 
-def _available_bytes() -> int:
-    with open("/proc/meminfo") as f:
-        line = next(line for line in f if line.startswith("MemAvailable:"))
+def _proc_bytes(path: str, key: str) -> int:
+    """The `key:` line of a /proc file (Linux reports it in kB), in bytes."""
+    with open(path) as f:
+        line = next(line for line in f if line.startswith(f"{key}:"))
     return int(line.split()[1]) << 10
 
 
@@ -126,7 +125,7 @@ def main(argv=None) -> None:
         write_s = time.perf_counter() - t0
         disk = sum(f.stat().st_size for f in path.glob("*.safetensors"))
         for loader in LOADERS:
-            need, free = NEEDS[loader] * disk, _available_bytes()
+            need, free = NEEDS[loader] * disk, _proc_bytes("/proc/meminfo", "MemAvailable")
             if need > free:
                 rows.append({"loader": loader, "skipped": f"needs ~{need:.3g} B, {free:.3g} free"})
                 continue

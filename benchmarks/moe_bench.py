@@ -21,7 +21,6 @@ which jax lowers on CPU to a dense masked matmul over every expert.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import sys
 import time
@@ -36,16 +35,8 @@ from leyline_jax.moe import moe_experts_dense, moe_experts_grouped, prefers_grou
 # DeepSeek-V2-Lite's routed experts
 V2_LITE = dict(e=64, k=6, h=2048, i=1408)
 # (H, I, E, k) of the crossover sweep: the tiny test configs' experts (64 x 32, E=8) upwards
-CROSSOVER = (
-    (64, 32, 8, 2),
-    (64, 32, 8, 6),
-    (64, 32, 16, 2),
-    (128, 64, 8, 2),
-    (64, 32, 32, 4),
-    (128, 64, 16, 4),
-    (256, 128, 8, 2),
-    (256, 128, 64, 6),
-)
+CROSSOVER = ((64, 32, 8, 2), (64, 32, 8, 6), (64, 32, 16, 2), (128, 64, 8, 2), (64, 32, 32, 4),
+             (128, 64, 16, 4), (256, 128, 8, 2), (256, 128, 64, 6))  # fmt: skip
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
@@ -96,10 +87,10 @@ def bench_v2_lite(tokens, dtype_names, ragged_tokens, repeats: int, read_bw: flo
             floor = max(flop_floor, byte_floor)
             r = dict(dtype=name, tokens=t, active_experts=active)
             r |= dict(dense_s=dense_s, grouped_s=grouped_s, ragged_dot_s=ragged_s)
-            r |= dict(dense_over_grouped=dense_s / grouped_s)
-            r |= dict(flop_floor_s=flop_floor, byte_floor_s=byte_floor)
+            r |= dict(dense_over_grouped=dense_s / grouped_s, flop_floor_s=flop_floor)
+            r |= dict(byte_floor_s=byte_floor, matmul_flop_s=rate, auto=auto(e, h, i))
             r |= {f"{k}_over_floor": r[f"{k}_s"] / floor for k in ("dense", "grouped")}
-            rows.append(r | dict(matmul_flop_s=rate, auto=auto(e, h, i)))
+            rows.append(r)
             print(
                 f"{name:8s} T={t:4d} active={active:2d} dense {dense_s * 1e3:9.1f} ms  "
                 f"grouped {grouped_s * 1e3:8.1f} ms  dense/grouped {r['dense_over_grouped']:5.1f}  "
@@ -133,23 +124,16 @@ def bench_crossover() -> list[dict]:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__, repeats=3)
     ap.add_argument("--tokens", default="1,8,32,128,512")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--ragged-tokens", default="1,32")
-    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--crossover", action="store_true", help="also the small-shape sweep")
-    ap.add_argument("--out", default=None, help="write the results as JSON here")
     argv = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(argv)
-
     start = time.perf_counter()
     read_bw = harness.read_bandwidth()
-    print(
-        f"machine: read bandwidth {read_bw / 1e9:.1f} GB/s, jax {jax.__version__} on "
-        f"{jax.devices()[0].platform}",
-        flush=True,
-    )
+    print(f"machine: read bandwidth {read_bw / 1e9:.1f} GB/s, {harness.platform()}", flush=True)
     tokens, ragged = ([int(t) for t in a.split(",")] for a in (args.tokens, args.ragged_tokens))
     result = dict(command=" ".join(["python -m benchmarks.moe_bench", *argv]), jax=jax.__version__)
     result |= dict(platform=jax.devices()[0].platform, read_bytes_s=read_bw, shapes=V2_LITE)

@@ -41,7 +41,6 @@ and writes what it reached.
 
 from __future__ import annotations
 
-import argparse
 import difflib
 import json
 import re
@@ -58,6 +57,7 @@ from benchmarks.fidelity import (
     Chat,
     greedy,
     kl,
+    parser,
     pct_ci,
     question,
     save,
@@ -221,14 +221,12 @@ def _bucketed(rows: list[dict], key: str, lower: tuple[int, ...]) -> dict:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--scenarios", type=int, default=100)
     ap.add_argument("--fresh-check", type=int, default=10, help="scenarios also prefilled whole")
     seqs = 1 + len(ARMS) * len(CASES)
     args, path, model, chat, state = setup(ap, argv, max_seqs=seqs, num_pages=512)
-    t0 = time.perf_counter()
-    state, _, _ = run_scenario(model, state, 0, chat, True)  # warm-up, not counted
-    warmup = time.perf_counter() - t0
+    (state, _, _), warmup = harness.clocked(lambda: run_scenario(model, state, 0, chat, True))
     rows, checks, stop = [], [], Stop()
     t0 = time.perf_counter()
     for i in range(args.scenarios):
@@ -264,7 +262,7 @@ def markdown(r: dict) -> str:
     def pct(v):
         return f"{pct_ci(v['rate'], v['ci'])} ({v['hits']})"
 
-    def drift(groups: dict, label: str) -> list[str]:
+    def drift(caption: str, groups: dict, label: str) -> list[str]:
         header = [label, "cases", "first token = fresh", "KL median", "KL mean", "KL p90"]
         rows = [
             [name, str(s["cases"]), pct(s["agree"])]
@@ -273,50 +271,39 @@ def markdown(r: dict) -> str:
             for name, s in groups.items()
             if s["cases"]
         ]
-        return harness.table([*header, "recall MOVE", "recall fresh"], rows)
+        return harness.section(caption, [*header, "recall MOVE", "recall fresh"], rows)
 
     def cost(name: str, s: dict) -> list[str]:
         tokens = ("move_moved", "move_spliced", "move_prefilled", "fresh_prefilled")
-        return [name, *(f"{s[f'{k}_median']:.0f}" for k in tokens)] + [
-            f"{s['move_ms_median']:.0f} ms",
-            f"{s['fresh_ms_median']:.0f} ms",
-            f"{s['speedup_median']:.1f}x",
-        ]
+        times = [f"{s[f'{arm}_ms_median']:.0f} ms" for arm in ARMS]
+        counts = [f"{s[f'{k}_median']:.0f}" for k in tokens]
+        return [name, *counts, *times, f"{s['speedup_median']:.1f}x"]
 
     fc = r["fresh_check"]
+    check = "not run."
+    if fc["cases"]:
+        check = f"KL max {fc['kl_max']:.2e}, median {fc['kl_median']:.2e} nats."
     groups = {**r["by_case"], "all": r["all"]}
     header = ["case", "MOVE moved", "MOVE spliced", "MOVE prefilled", "fresh prefilled"]
     header += ["MOVE edit", "fresh prefill", "fresh / MOVE"]
+    caption_a = "(a)-(c) MOVE against the fresh prefill of B (Wilson 95% intervals; "
+    caption_a += "KL(fresh || MOVE), nats):"
+    caption_d = "(d) tokens (medians per case: MOVE's moved / spliced / prefilled; the fresh "
+    caption_d += "prefill's tokens) and wall time (medians, after a warm-up scenario):"
+    caption_e = "(e) drift by the tokens of preceding text that differ between A and B "
+    caption_e += "(inserted or deleted before the asked block):"
+    caption_f = "(f) drift by the distance from the change (tokens just before the asked block "
+    caption_f += "that are the same in A and B):"
     lines = [
         f"Model `{r['model'].split('/')[-1]}`, {r['scenarios']} scenarios ({r['all']['cases']} "
         f"cases), {r['seconds']} s (plus a {r['warmup_seconds']} s warm-up scenario).",
-        "",
-        "(a)-(c) MOVE against the fresh prefill of B (Wilson 95% intervals; KL(fresh || MOVE), "
-        "nats):",
-        "",
-        *drift(groups, "case"),
-        "",
-        "(d) tokens (medians per case: MOVE's moved / spliced / prefilled; the fresh prefill's "
-        "tokens) and wall time (medians, after a warm-up scenario):",
-        "",
-        *harness.table(header, [cost(name, s) for name, s in groups.items()]),
-        "",
-        "(e) drift by the tokens of preceding text that differ between A and B (inserted or "
-        "deleted before the asked block):",
-        "",
-        *drift(r["by_differing"], "differing tokens"),
-        "",
-        "(f) drift by the distance from the change (tokens just before the asked block that are "
-        "the same in A and B):",
-        "",
-        *drift(r["by_common_run"], "common run"),
+        *drift(caption_a, groups, "case"),
+        *harness.section(caption_d, header, [cost(name, s) for name, s in groups.items()]),
+        *drift(caption_e, r["by_differing"], "differing tokens"),
+        *drift(caption_f, r["by_common_run"], "common run"),
         "",
         f"Check of the reference: B prefilled from scratch vs FORGET's B ({fc['cases']} cases): "
-        + (
-            f"KL max {fc['kl_max']:.2e}, median {fc['kl_median']:.2e} nats."
-            if fc["cases"]
-            else "not run."
-        ),
+        + check,
         "",
     ]
     return "\n".join(lines)

@@ -18,10 +18,9 @@ n=2048 matmul rate; XLA:CPU reaches a fraction of it at 8 or 32 rows).
 
 from __future__ import annotations
 
-import argparse
+import functools
 import os
 import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
@@ -100,11 +99,8 @@ def bench_ours(model, t_prefill: int, batch: int):
     pages = max(pages, t_prefill // 16 + 2)
     rng = np.random.default_rng(0)
 
-    def fresh():
-        return ll.init_state(
-            c, num_pages=pages, page_size=16, max_seqs=max(batch, 1), kv_dtype=jnp.float32
-        )
-
+    size = dict(num_pages=pages, page_size=16, max_seqs=max(batch, 1), kv_dtype=jnp.float32)
+    fresh = functools.partial(ll.init_state, c, **size)
     prompt = rng.integers(0, c.vocab_size, t_prefill)
     st = {"s": fresh()}
 
@@ -139,9 +135,8 @@ def bench_mixed(model, rate: float, bw: float, active: int):
     rng = np.random.default_rng(1)
     reps = 5
     need = (MIXED_CTX + MIXED_CHUNK * (reps + 2)) // 16 + MIXED_DECODE * ((CONTEXT + 16) // 16 + 1)
-    st = ll.init_state(
-        c, num_pages=need + 8, page_size=16, max_seqs=MIXED_DECODE + 1, kv_dtype=jnp.float32
-    )
+    size = dict(num_pages=need + 8, page_size=16, max_seqs=MIXED_DECODE + 1, kv_dtype=jnp.float32)
+    st = ll.init_state(c, **size)
     st, _ = ll.prefill(model, st, 0, rng.integers(0, c.vocab_size, MIXED_CTX))
     for s in range(1, MIXED_DECODE + 1):
         st, _ = ll.prefill(model, st, s, rng.integers(0, c.vocab_size, CONTEXT))
@@ -151,10 +146,8 @@ def bench_mixed(model, rate: float, bw: float, active: int):
     for i in range(reps + 1):  # the first compiles
         blocks = [rng.integers(0, c.vocab_size, MIXED_CHUNK).tolist()] + [[1]] * MIXED_DECODE
         lens = [int(st.lengths[s]) for s in seqs]
-        t0 = time.perf_counter()
-        st, logits = paged.extend(model, st, seqs, blocks, graph=graph)
-        jax.block_until_ready(logits)
-        dt = time.perf_counter() - t0
+        step = functools.partial(paged.extend, model, st, seqs, blocks, graph=graph)
+        (st, _), dt = harness.clocked(step)
         tokens = MIXED_CHUNK + MIXED_DECODE
         flops = 2 * active * tokens + attention_flops(c, MIXED_CHUNK, lens[0] + MIXED_CHUNK)
         flops += sum(attention_flops(c, 1, n + 1) for n in lens[1:])
@@ -199,27 +192,21 @@ def bench_hf(path, t_prefill: int, batch: int, vocab: int):
     return prefill_s, decode_s
 
 
-def _row(
-    config: str, kind: str, size: int, ours: float, theirs: float, floor: float, gemms=float("nan")
-) -> dict:
+def _row(config: str, kind: str, size: int, ours, theirs, floor, gemms=float("nan")) -> dict:
     """One result row; times are seconds for `size` tokens (`theirs`: nan where HF did not run)."""
     row = dict(gemm_tok_s=size / gemms, ours_over_gemms=ours / gemms, config=config, kind=kind)
     return row | dict(size=size) | harness.beside(size, ours, floor, theirs)
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--configs", default="tiny,bench")
     ap.add_argument("--kinds", default="prefill,decode,mixed")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers (its columns: nan)")
-    ap.add_argument("--out", default=None, help="write the rows as JSON here")
     args = ap.parse_args(argv)
-
     bw, rate = harness.copy_bandwidth()["inplace_bytes_s"], harness.matmul_rate()
-    print(
-        f"machine: copy bandwidth {bw / 1e9:.1f} GB/s, fp32 matmul {rate / 1e9:.1f} GFLOP/s, "
-        f"jax {jax.__version__} on {jax.devices()[0].platform}"
-    )
+    rates = f"copy bandwidth {bw / 1e9:.1f} GB/s, fp32 matmul {rate / 1e9:.1f} GFLOP/s"
+    print(f"machine: {rates}, {harness.platform()}")
     configs = {"tiny": TINY_HF_CONFIGS["glm4_moe_lite"], "bench": harness.BENCH_HF_CONFIG}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -247,16 +234,15 @@ def main(argv=None) -> None:
             if "mixed" in kinds:
                 ours, ratio, size = bench_mixed(model, rate, bw, active)
                 rows.append(_row(name, "mixed", size, ours, float("nan"), ours / ratio))
-    print(
-        f"{'config':6s} {'kind':7s} {'size':>5s} {'ours tok/s':>11s} {'HF tok/s':>10s} "
-        f"{'floor tok/s':>12s} {'ours/HF':>8s} {'time/floor':>10s} {'time/gemms':>10s}"
-    )
-    for r in rows:
-        print(
-            f"{r['config']:6s} {r['kind']:7s} {r['size']:5d} {r['ours_tok_s']:11.1f} "
-            f"{r['hf_tok_s']:10.1f} {r['floor_tok_s']:12.1f} {r['speedup_vs_hf']:8.2f} "
-            f"{r['ours_over_floor']:10.1f} {r['ours_over_gemms']:10.2f}"
-        )
+    header = ["config", "kind", "size", "ours tok/s", "HF tok/s", "floor tok/s", "ours / HF"]
+    header += ["time / floor", "time / gemms"]
+    rates, ratios = ("ours_tok_s", "hf_tok_s", "floor_tok_s"), ("speedup_vs_hf", "ours_over_floor")
+    cells = [
+        [r["config"], r["kind"], str(r["size"]), *(f"{r[k]:.1f}" for k in rates)]
+        + [f"{r[k]:.2f}" for k in (*ratios, "ours_over_gemms")]
+        for r in rows
+    ]
+    print("\n".join(harness.table(header, cells, "ll" + "r" * 7)))
     harness.save_json(args.out, rows)
 
 

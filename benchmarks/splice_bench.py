@@ -35,7 +35,6 @@ not change the cost of moving it); the prefix and stub go through the model. Med
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import os
@@ -60,10 +59,8 @@ IMPLS = ("splice", "rows", "pieces")  # the splice pass's implementations (`--sp
 
 def init_state(config, tokens: int, num_pages: int, max_seqs: int):
     """A paged state whose sequences hold up to `tokens` tokens (and two pages more)."""
-    seq_len = (tokens // PAGE + 2) * PAGE
-    return ll.init_state(
-        config, num_pages=num_pages, page_size=PAGE, max_seqs=max_seqs, max_seq_len=seq_len
-    )
+    size = dict(num_pages=num_pages, page_size=PAGE, max_seqs=max_seqs)
+    return ll.init_state(config, **size, max_seq_len=(tokens // PAGE + 2) * PAGE)
 
 
 def moves(downstream: int, stub: int, old, fresh):
@@ -71,9 +68,8 @@ def moves(downstream: int, stub: int, old, fresh):
     prefix's last page on, from the sequence's pages `old` to its new pages (`old` up to that
     page, then `fresh`)."""
     first = (PREFIX // PAGE) * PAGE
-    i = np.concatenate(
-        [np.arange(first, PREFIX), np.arange(PREFIX + SPAN, PREFIX + SPAN + downstream)]
-    )
+    after = np.arange(PREFIX + SPAN, PREFIX + SPAN + downstream)
+    i = np.concatenate([np.arange(first, PREFIX), after])
     j = np.where(i < PREFIX, i, i - SPAN + stub)
     row = np.concatenate([old[: first // PAGE], fresh])
     return old[i // PAGE] * PAGE + i % PAGE, row[j // PAGE] * PAGE + j % PAGE, i, j
@@ -121,9 +117,8 @@ def time_splice_only(model, downstream: int, repeats: int) -> float:
     c = model.config
     state = build(model, downstream)
     free = np.flatnonzero(np.asarray(state.refcount) == 0)
-    runs = splice.padded_runs(
-        plan_runs(*moves(downstream, STUB, np.asarray(state.page_table)[0], free))
-    )
+    old = np.asarray(state.page_table)[0]
+    runs = splice.padded_runs(plan_runs(*moves(downstream, STUB, old, free)))
     inv = jnp.asarray(c.rope_inv_freq())
     table = phase_table(inv, state.max_seq_len)  # what apply_directive looks rotations up in
     box = {"pools": state.pools}
@@ -151,14 +146,13 @@ def splice_moves(downstream: int, layout: str, num_pages: int):
 
 
 @functools.partial(jax.jit, static_argnames="k_dtype", donate_argnums=0)
-def _rows_pass(pools, src, dst, pos_from, pos_to, inv, table, *, k_dtype):
-    """The pass before runs: the row-by-row reference on each layer's pool in turn."""
+def _rows_pass(pools, rows, inv, table, *, k_dtype):
+    """The pass before runs: the row-by-row reference on each layer's pool in turn (`rows`:
+    src, dst, pos_from, pos_to)."""
 
     def one(c, k):
         c, k = c.reshape(1, -1, c.shape[-1]), k.reshape(1, -1, k.shape[-1])
-        return splice_rotate_ref(
-            c, k, src, dst, pos_from, pos_to, inv, k_dtype=k_dtype, table=table
-        )
+        return splice_rotate_ref(c, k, *rows, inv, k_dtype=k_dtype, table=table)
 
     out = [one(c, k) for c, k in zip(pools.moved, pools.rotated, strict=True)]
     return dataclasses.replace(
@@ -230,20 +224,17 @@ def splice_passes(config, downstream: int, layout: str, repeats: int) -> dict:
     k_dtype = pools.rotated_dtype
     steps = {
         "splice": lambda p: splice.splice_pools(p, runs, inv, table, impl="jnp"),
-        "rows": lambda p: _rows_pass(p, *rows, inv, table, k_dtype=k_dtype),
+        "rows": lambda p: _rows_pass(p, rows, inv, table, k_dtype=k_dtype),
         "pieces": lambda p: _pieces_pass(p, runs, inv, table, k_dtype=k_dtype, max_run=PAGE),
     }
     boxes = {name: {"pools": jax.tree.map(jnp.copy, pools)} for name in steps}
     del pools
 
-    def timed(name):
-        def run():
-            boxes[name]["pools"] = steps[name](boxes[name]["pools"])
-            return boxes[name]["pools"].rotated[-1]
+    def run(name):  # one pass of `name` on its own pools (donated)
+        boxes[name]["pools"] = steps[name](boxes[name]["pools"])
+        return boxes[name]["pools"].rotated[-1]
 
-        return run
-
-    out = harness.interleaved({name: timed(name) for name in steps}, repeats)
+    out = harness.interleaved({name: functools.partial(run, name) for name in steps}, repeats)
     return dict(runs=n_runs, mean_run=mean_run, **{f"{k}_s": v for k, v in out.items()})
 
 
@@ -265,14 +256,9 @@ def splice_only(args, cfg: dict) -> list[dict]:
             row |= rates | dict(floor_s=floor, floor_inplace_s=floor_inplace) | r
             row |= {f"{k}_over_floor": r[f"{k}_s"] / floor for k in IMPLS}
             rows.append(row | dict(splice_over_inplace_floor=r["splice_s"] / floor_inplace))
-            print(
-                f"D={d:6d} {layout:15s} {r['runs']:5d} runs ({r['mean_run']:4.1f} rows) | floor "
-                f"{floor * 1e3:6.1f} ms | splice {r['splice_s'] * 1e3:7.1f} ms "
-                f"({r['splice_s'] / floor:.2f}x) | rows {r['rows_s'] * 1e3:7.1f} ms "
-                f"({r['rows_s'] / floor:.2f}x) | pieces {r['pieces_s'] * 1e3:7.1f} ms "
-                f"({r['pieces_s'] / floor:.2f}x)",
-                flush=True,
-            )
+            times = [f"{k} {r[f'{k}_s'] * 1e3:7.1f} ms ({r[f'{k}_s'] / floor:.2f}x)" for k in IMPLS]
+            head = f"D={d:6d} {layout:15s} {r['runs']:5d} runs ({r['mean_run']:4.1f} rows)"
+            print(" | ".join([head, f"floor {floor * 1e3:6.1f} ms", *times]), flush=True)
     return rows
 
 
@@ -291,19 +277,15 @@ def time_reprefill(model, downstream: int, repeats: int) -> float:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__, repeats=3)
     ap.add_argument("--lengths", default="512,2048,8192,32768")
-    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--layers", type=int, default=harness.BENCH_HF_CONFIG["num_hidden_layers"])
-    ap.add_argument("--out", default=None)
-    ap.add_argument(
-        "--splice-only", action="store_true", help="time the move+rotate pass alone (no model)"
-    )
+    only = "time the move+rotate pass alone (no model)"
+    ap.add_argument("--splice-only", action="store_true", help=only)
     args = ap.parse_args(argv)
-    cfg = dict(
-        harness.BENCH_HF_CONFIG, num_hidden_layers=args.layers, first_k_dense_replace=args.layers
-    )
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform}")
+    layers = dict(num_hidden_layers=args.layers, first_k_dense_replace=args.layers)
+    cfg = harness.BENCH_HF_CONFIG | layers
+    print(harness.platform())
     rows = (splice_only if args.splice_only else amortize_vs_forget)(args, cfg)
     harness.save_json(args.out, rows)
 

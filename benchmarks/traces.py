@@ -255,12 +255,8 @@ def main(argv=None) -> None:
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--tool-words", type=int, default=600)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument(
-        "--reasoning-words",
-        type=int,
-        default=0,
-        help="~N words of seeded reasoning_content on every assistant message (default: none)",
-    )
+    reasoning = "~N words of seeded reasoning_content on every assistant message (default: none)"
+    ap.add_argument("--reasoning-words", type=int, default=0, help=reasoning)
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     if a.bfcl:

@@ -25,6 +25,7 @@ import argparse
 import json
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,10 +40,7 @@ V2_LITE_CONFIG: dict[str, Any] = json.loads(
 )
 
 # name on the command line -> (safetensors dtype, bytes per value, config.json's dtype)
-DTYPES = {
-    "bf16": ("BF16", 2, "bfloat16"),
-    "fp32": ("F32", 4, "float32"),
-}
+DTYPES = {"bf16": ("BF16", 2, "bfloat16"), "fp32": ("F32", 4, "float32")}
 
 CHUNK = 1 << 22  # values generated and written at a time
 
@@ -73,13 +71,12 @@ def _chunks(rng: np.random.Generator, name: str, size: int, dtype: str):
         yield bits if dtype == "bf16" else bits.astype(np.uint32) << 16
 
 
-def _shard_plan(shapes: dict[str, tuple[int, ...]], itemsize: int, max_shard_bytes: int):
+def shard_plan(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
     """Tensor names per shard, in table order, each shard at most `max_shard_bytes` (or one
-    tensor, if a tensor alone is larger)."""
+    tensor, if a tensor alone is larger); `sizes`: each tensor's bytes."""
     shards: list[list[str]] = [[]]
     size = 0
-    for name, shape in shapes.items():
-        nbytes = math.prod(shape) * itemsize
+    for name, nbytes in sizes.items():
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append([])
             size = 0
@@ -113,6 +110,18 @@ def _write_shard(path: Path, names, shapes, dtype: str, rng: np.random.Generator
     return offset
 
 
+def write_shards(out: Path, shards: list[list[str]], write: Callable[[Path, list], int]) -> None:
+    """Each shard's file, `model-0000i-of-0000N.safetensors` (`write(path, names)` writes it and
+    returns its data size), then `model.safetensors.index.json`."""
+    weight_map, total = {}, 0
+    for i, names in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        total += write(out / fname, names)
+        weight_map.update(dict.fromkeys(names, fname))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
 def write_random_hf(
     out_dir: str | os.PathLike,
     hf_config: dict[str, Any],
@@ -130,14 +139,9 @@ def write_random_hf(
     out.mkdir(parents=True, exist_ok=True)
     shapes = hf_tensor_shapes(config_from_hf(hf_config))
     rng = np.random.default_rng(seed)
-    shards = _shard_plan(shapes, DTYPES[dtype][1], max_shard_bytes)
-    weight_map, total = {}, 0
-    for i, names in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        total += _write_shard(out / fname, names, shapes, dtype, rng)
-        weight_map.update(dict.fromkeys(names, fname))
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    sizes = {name: math.prod(shape) * DTYPES[dtype][1] for name, shape in shapes.items()}
+    plan = shard_plan(sizes, max_shard_bytes)
+    write_shards(out, plan, lambda path, names: _write_shard(path, names, shapes, dtype, rng))
     config_json = {**hf_config, "dtype": DTYPES[dtype][2]}
     (out / "config.json").write_text(json.dumps(config_json, indent=2))
     return out

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from checkpoints.random_hf import shard_plan, write_shards
 from leyline_jax.loader import config_from_hf, hf_tensor_shapes
 
 _COMMON: dict[str, Any] = dict(
@@ -190,27 +191,15 @@ def write_random_checkpoint(
     }
     tensors.update(extra_tensors or {})
 
+    def write(path: Path, names) -> int:
+        save_file({n: tensors[n] for n in names}, str(path), metadata={"format": "pt"})
+        return sum(tensors[n].nbytes for n in names)
+
     if max_shard_bytes is None:
-        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        write(out / "model.safetensors", list(tensors))
     else:
-        shards: list[dict[str, np.ndarray]] = [{}]
-        size = 0
-        for name, t in tensors.items():
-            if shards[-1] and size + t.nbytes > max_shard_bytes:
-                shards.append({})
-                size = 0
-            shards[-1][name] = t
-            size += t.nbytes
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(out / fname), metadata={"format": "pt"})
-            weight_map.update({name: fname for name in shard})
-        index = {
-            "metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
-            "weight_map": weight_map,
-        }
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        sizes = {name: t.nbytes for name, t in tensors.items()}
+        write_shards(out, shard_plan(sizes, max_shard_bytes), write)
     (out / "config.json").write_text(json.dumps({**hf_config, "dtype": dtype}, indent=2))
     return out
 
@@ -260,9 +249,7 @@ def ensure_default_checkpoints(root: str | os.PathLike = ".checkpoints") -> dict
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument(
-        "--out", default=".checkpoints", help="folder to write one subfolder per family"
-    )
+    ap.add_argument("--out", default=".checkpoints", help="folder for one subfolder per family")
     ap.add_argument("--hf", action="store_true", help="write with transformers (needs torch)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)

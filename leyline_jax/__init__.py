@@ -25,13 +25,7 @@ from leyline_jax.directives import (
 )
 from leyline_jax.gqa import GQAConfig
 from leyline_jax.importance import decay_selection
-from leyline_jax.kv_state import (
-    OutOfPagesError,
-    PagedKVState,
-    SequenceError,
-    init_state,
-    tokens,
-)
+from leyline_jax.kv_state import OutOfPagesError, PagedKVState, SequenceError, init_state, tokens
 from leyline_jax.loader import CheckpointError, CheckpointNotFoundError, load_model
 from leyline_jax.model import CausalLM, MLAModel
 from leyline_jax.paged import decode, prefill

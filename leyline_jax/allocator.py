@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from leyline_jax.config import check_ids, check_tokens
+from leyline_jax.config import check_ids, check_tokens, is_int
 
 if TYPE_CHECKING:  # the state's module builds on this one
     from leyline_jax.kv_state import PagedKVState
@@ -61,28 +61,19 @@ def table_references(state: PagedKVState) -> np.ndarray:
     return counts
 
 
-def pages_needed(length, count, last_page_shared, page_size: int):
-    """Pages an append of `count` tokens to a sequence of `length` tokens takes from the pool:
-    the new pages it grows into, plus one copy of its partial last page when that page is
-    shared. Returns (pages, whether the last page is copied); elementwise on numpy arrays."""
-    grow = pages_for(length + count, page_size) - pages_for(length, page_size)
-    cow = (length % page_size != 0) & (count > 0) & last_page_shared
-    return grow + cow, cow
-
-
 def last_page_shared(state: PagedKVState, seq: int) -> bool:
     """Whether `seq`'s partial last page is referenced by someone else too (an append copies
     it first)."""
-    n = int(state.lengths[seq])
-    if n % state.page_size == 0:
-        return False
-    return bool(state.refcount[state.page_table[seq, (n - 1) // state.page_size]] > 1)
+    n, ps = int(state.lengths[seq]), state.page_size
+    return bool(n % ps) and bool(state.refcount[state.page_table[seq, (n - 1) // ps]] > 1)
 
 
 def append_pages(state: PagedKVState, seq: int, count: int) -> int:
-    """Pages appending `count` tokens to open `seq` takes from the pool."""
-    n = int(state.lengths[seq])
-    return int(pages_needed(n, count, last_page_shared(state, seq), state.page_size)[0])
+    """Pages appending `count` tokens to `seq` takes from the pool: the new pages it grows
+    into, plus one copy of its partial last page when that page is shared."""
+    ps, n = state.page_size, int(state.lengths[seq])
+    grow = pages_for(n + count, ps) - pages_for(n, ps)
+    return grow + int(count > 0 and last_page_shared(state, seq))
 
 
 # ---- what a serving turn may take (the engine's admission asks these) ------------------------
@@ -211,12 +202,12 @@ class _Taker:
         self.refcount[got] += 1
         return [int(p) for p in got]
 
-    def grow(self, row: np.ndarray, length: int, count: int, shared: bool, cow: list) -> None:
+    def grow(self, row: np.ndarray, length: int, count: int, refs: np.ndarray, cow: list) -> None:
         """Give `row` (a sequence `length` tokens long) the pages `count` more tokens write: a
-        copy of its partial last page first when that page is `shared` (copy on write), then
-        new pages."""
+        copy of its partial last page first when refcounts `refs` say that page is shared (copy
+        on write), then new pages."""
         ps, col = self.ps, (length - 1) // self.ps
-        if count and length % ps and shared:
+        if count and length % ps and refs[row[col]] > 1:
             (new,) = self.take(1, "a copy on write")
             cow.append((int(row[col]), new))
             self.refcount[row[col]] -= 1
@@ -238,8 +229,7 @@ def append(state: PagedKVState, seqs, blocks) -> tuple[PagedKVState, Append]:
         n, count, row = int(lengths[seq]), len(block), table[seq]
         # shared as judged before the step: a page shared then is never written by it, even
         # once other rows' copies have left one sequence holding it
-        shared = bool(n % ps) and state.refcount[row[(n - 1) // ps]] > 1
-        taker.grow(row, n, count, shared, cow)
+        taker.grow(row, n, count, state.refcount, cow)
         pos = n + np.arange(count)
         slots.append((row[pos // ps] * ps + pos % ps).astype(np.int32))
         lengths[seq] = n + count
@@ -269,12 +259,7 @@ class EditPlan:
 
 
 def plan_edit(
-    state: PagedKVState,
-    seq: int,
-    tokens: list[int],
-    cut: int,
-    first: int | None,
-    spliced_len: int,
+    state: PagedKVState, seq: int, tokens: list[int], cut: int, first: int | None, spliced_len: int
 ) -> EditPlan:
     """The pages of an edit of open `seq` into `tokens` (the edited sequence): cut its KV at
     `cut` (the first FORGET's start, else its length), splice from token `first` on (None:
@@ -302,22 +287,23 @@ def plan_edit(
         taker.refcount[:] = _add_refs(taker.refcount, gone, -1)
         taker.free = list(np.flatnonzero(taker.refcount == 0))
     cow: list = []
-    m = spliced_len
-    shared = bool(m % ps) and taker.refcount[row[(m - 1) // ps]] > 1
-    taker.grow(row, m, len(tokens) - m, shared, cow)
+    taker.grow(row, spliced_len, len(tokens) - spliced_len, taker.refcount, cow)
     new = set_sequence(state, seq, row, tokens, refcount=taker.refcount)
     return EditPlan(new, old_row, row, first_page, dead, dead_slots, cow[0] if cow else None)
 
 
 # ---- checked entry points ------------------------------------------------------------------
-def check_seq(state: PagedKVState, seq, *, must_be_open: bool) -> int:
-    """Raise SequenceError unless `seq` is an int in range (and open, if asked)."""
-    if isinstance(seq, bool) or not isinstance(seq, (int, np.integer)):
+def check_seq(state: PagedKVState, seq, *, want_open: bool | None = None) -> int:
+    """Raise SequenceError unless `seq` is an int in range, open if `want_open`, not open if
+    `want_open` is False."""
+    if not is_int(seq):
         raise SequenceError(f"sequence id must be an int, got {seq!r}")
     if not 0 <= seq < state.max_seqs:
         raise SequenceError(f"sequence {seq} is out of range [0, {state.max_seqs})")
-    if must_be_open and not state.active[seq]:
+    if want_open and not state.active[seq]:
         raise SequenceError(f"sequence {seq} is not open")
+    if want_open is False and state.active[seq]:
+        raise SequenceError(f"sequence {seq} is already open")
     return int(seq)
 
 
@@ -325,7 +311,7 @@ def check_appends(state: PagedKVState, seqs: list, counts: list) -> None:
     """Raise unless counts[i] tokens can be appended to open, distinct seqs[i] (ints, not
     coerced): SequenceError (an id, a repeat, past `max_seq_len`), OutOfPagesError."""
     for s in seqs:
-        check_seq(state, s, must_be_open=True)
+        check_seq(state, s, want_open=True)
     if len(set(seqs)) != len(seqs):
         raise SequenceError(f"a sequence appears twice in one step: {seqs}")
     need = 0
@@ -350,17 +336,13 @@ def check_room(state: PagedKVState, seq: int, length: int, count: int) -> None:
 
 def fork(state: PagedKVState, src: int, dst: int) -> PagedKVState:
     """Open `dst` as a copy of open sequence `src`, sharing its pages."""
-    check_seq(state, src, must_be_open=True)
-    check_seq(state, dst, must_be_open=False)
-    if state.active[dst]:
-        raise SequenceError(f"sequence {dst} is already open")
-    return fork_seq(state, int(src), int(dst))
+    src = check_seq(state, src, want_open=True)
+    return fork_seq(state, src, check_seq(state, dst, want_open=False))
 
 
 def free(state: PagedKVState, seq: int) -> PagedKVState:
     """Close open sequence `seq`, releasing its page references."""
-    check_seq(state, seq, must_be_open=True)
-    return free_seq(state, int(seq))
+    return free_seq(state, check_seq(state, seq, want_open=True))
 
 
 def _page_list(state: PagedKVState, pages) -> np.ndarray:
@@ -399,9 +381,7 @@ def adopt(state: PagedKVState, seq: int, pages, tokens, *, partial: bool = False
     prefix cache hit): the sequence shares those pages and appends after them. With `partial`
     the last page may be partly filled (a sequence restored from a snapshot): the sequence
     appends into it, copying it first while anyone else references it (copy on write)."""
-    seq = check_seq(state, seq, must_be_open=False)
-    if state.active[seq]:
-        raise SequenceError(f"sequence {seq} is already open")
+    seq = check_seq(state, seq, want_open=False)
     p = check_ids(pages, state.num_pages, "page id", allow_empty=True)
     tokens = check_tokens(tokens, state.vocab_size, allow_empty=True)
     if len(tokens) > state.max_seq_len:

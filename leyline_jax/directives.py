@@ -19,6 +19,7 @@ import numpy as np
 
 from leyline_jax import allocator, importance, splice
 from leyline_jax.allocator import SequenceError
+from leyline_jax.config import is_int
 from leyline_jax.kv_state import PagedKVState
 from leyline_jax.model import CausalLM
 
@@ -37,8 +38,19 @@ class Mode(enum.Enum):
 SPLICED = (Mode.AMORTIZE, Mode.MOVE)  # the modes a splice applies (DECAY resolves to MOVE)
 
 
-def _is_int(v) -> bool:
-    return not isinstance(v, bool) and isinstance(v, (int, np.integer))
+def _ints(obj, names, what: str = "") -> None:
+    for name in names:
+        v = getattr(obj, name)
+        if not is_int(v):
+            raise DirectiveError(f"{what}{name} must be an int, got {v!r}")
+        object.__setattr__(obj, name, int(v))
+
+
+def _tuple(items, what: str) -> tuple:
+    try:
+        return tuple(items)
+    except TypeError as e:
+        raise DirectiveError(f"{what}: {e}") from e
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,18 +70,11 @@ class Source:
     pages: tuple[int, ...] = ()
 
     def __post_init__(self):
-        for name in ("offset", "position", "length"):
-            v = getattr(self, name)
-            if not _is_int(v):
-                raise DirectiveError(f"source {name} must be an int, got {v!r}")
-            object.__setattr__(self, name, int(v))
+        _ints(self, ("offset", "position", "length"), "source ")
         if self.offset < 0 or self.position < 0 or self.length < 1:
             raise DirectiveError(f"source {self} needs offset >= 0, position >= 0 and length >= 1")
-        try:
-            pages = tuple(self.pages)
-        except TypeError as e:
-            raise DirectiveError(f"source pages must be a sequence of page ids: {e}") from e
-        if any(not _is_int(p) or p < 0 for p in pages):
+        pages = _tuple(self.pages, "source pages must be a sequence of page ids")
+        if any(not is_int(p) or p < 0 for p in pages):
             raise DirectiveError(f"source pages must be page ids, got {pages!r}")
         object.__setattr__(self, "pages", tuple(int(p) for p in pages))
 
@@ -91,20 +96,12 @@ class Directive:
     override_pin: bool = False
 
     def __post_init__(self):
-        for name in ("start", "end"):
-            v = getattr(self, name)
-            if not _is_int(v):
-                raise DirectiveError(f"{name} must be an int, got {v!r}")
-        try:
-            rep = tuple(self.replacement)
-        except TypeError as e:
-            raise DirectiveError(f"replacement must be a sequence of token ids: {e}") from e
+        _ints(self, ("start", "end"))
+        rep = _tuple(self.replacement, "replacement must be a sequence of token ids")
         for t in rep:
-            if not _is_int(t):
+            if not is_int(t):
                 raise DirectiveError(f"replacement token {t!r} is not an int")
         object.__setattr__(self, "replacement", tuple(int(t) for t in rep))
-        object.__setattr__(self, "start", int(self.start))
-        object.__setattr__(self, "end", int(self.end))
         if not isinstance(self.mode, Mode):
             raise DirectiveError(
                 f"unknown mode {self.mode!r}: use Mode.AMORTIZE, FORGET, DECAY or MOVE"
@@ -112,15 +109,12 @@ class Directive:
         if not isinstance(self.override_pin, bool):
             raise DirectiveError(f"override_pin must be a bool, got {self.override_pin!r}")
         if self.mode is Mode.DECAY:
-            if not _is_int(self.budget) or self.budget < 0:
+            if not is_int(self.budget) or self.budget < 0:
                 raise DirectiveError(f"DECAY needs budget >= 0 (an int), got {self.budget!r}")
             object.__setattr__(self, "budget", int(self.budget))
         elif self.budget is not None:
             raise DirectiveError(f"budget is DECAY's; a {self.mode.name} directive has none")
-        try:
-            srcs = tuple(self.sources)
-        except TypeError as e:
-            raise DirectiveError(f"sources must be a sequence of Source: {e}") from e
+        srcs = _tuple(self.sources, "sources must be a sequence of Source")
         if any(not isinstance(x, Source) for x in srcs):
             raise DirectiveError(f"sources must be Source items, got {srcs!r}")
         object.__setattr__(self, "sources", srcs)
@@ -316,7 +310,7 @@ def apply_directives(
     prefilled.
     """
     try:
-        seq = allocator.check_seq(state, seq, must_be_open=True)
+        seq = allocator.check_seq(state, seq, want_open=True)
     except SequenceError as e:
         raise DirectiveError(str(e)) from e
     length, vocab = int(state.lengths[seq]), model.config.vocab_size

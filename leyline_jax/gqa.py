@@ -28,8 +28,8 @@ from flax import nnx
 
 from leyline_jax import kv_state as kv
 from leyline_jax import rope
-from leyline_jax.config import Bands, ConfigError, read_hf_config
-from leyline_jax.layers import Linear
+from leyline_jax.config import Bands, ConfigError, is_int, read_hf_config
+from leyline_jax.layers import HFLeaves, Linear, hf_shapes, mlp_shapes
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
 MODEL_TYPES = ("llama",)
@@ -55,18 +55,9 @@ class GQAConfig:
     def __post_init__(self):
         if self.model_type not in MODEL_TYPES:
             raise ConfigError(f"model_type={self.model_type!r} is not one of {MODEL_TYPES}")
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "max_position_embeddings",
-        ):
+        for name in (f.name for f in dataclasses.fields(self) if f.type == "int"):  # the sizes
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            if not is_int(v) or v < 1:
                 raise ConfigError(f"{name}={v!r} must be a positive integer")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
@@ -234,61 +225,26 @@ def hf_tensor_shapes(config: GQAConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor a `LlamaForCausalLM` checkpoint of this config holds (`[out, in]`)."""
     c = config
     h, n, g, d = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (c.vocab_size, h),
-        "model.norm.weight": (h,),
-    }
-    if not c.tie_word_embeddings:
-        shapes["lm_head.weight"] = (c.vocab_size, h)
-    for i in range(c.num_hidden_layers):
-        p = f"model.layers.{i}"
-        shapes[f"{p}.input_layernorm.weight"] = (h,)
-        shapes[f"{p}.post_attention_layernorm.weight"] = (h,)
-        shapes[f"{p}.self_attn.q_proj.weight"] = (n * d, h)
-        shapes[f"{p}.self_attn.k_proj.weight"] = (g * d, h)
-        shapes[f"{p}.self_attn.v_proj.weight"] = (g * d, h)
-        shapes[f"{p}.self_attn.o_proj.weight"] = (h, n * d)
-        shapes[f"{p}.mlp.gate_proj.weight"] = (c.intermediate_size, h)
-        shapes[f"{p}.mlp.up_proj.weight"] = (c.intermediate_size, h)
-        shapes[f"{p}.mlp.down_proj.weight"] = (h, c.intermediate_size)
-    return shapes
+
+    def layer(p: str, i: int) -> dict[str, tuple[int, ...]]:
+        q, kv = (n * d, h), (g * d, h)
+        attn = {"q_proj": q, "k_proj": kv, "v_proj": kv, "o_proj": (h, n * d)}
+        shapes = {f"{p}.self_attn.{k}.weight": s for k, s in attn.items()}
+        return shapes | mlp_shapes(f"{p}.mlp", h, c.intermediate_size)
+
+    return hf_shapes(c, layer)
+
+
+class _Leaves(HFLeaves):
+    def attention(self, a: str) -> dict:
+        return {k: self.linear(f"{a}.{k}.weight") for k in ("q_proj", "k_proj", "v_proj", "o_proj")}
 
 
 def lazy_hf_params(
     config: GQAConfig, tensors: Mapping[str, Any], dtype=jnp.float32
 ) -> dict[str, Any]:
     """Lazily: flat mapping of `LlamaForCausalLM` tensors (names and shapes already checked by
-    the loader) -> nested params of `CausalLM`, each leaf a zero-argument callable that reads
-    its one tensor and builds the param as numpy (`leyline_jax.loader` builds them all at once
-    or streams them): linear weights transposed to `[in, out]`, cast to `dtype`. Hugging Face's
-    q/k rows are already in the halves layout (`rotate_half`)."""
-
-    def plain(name):  # a fresh array (a lazy tensor's read is one already)
-        return lambda: np.array(tensors[name], dtype=dtype)
-
-    def linear(name):
-        return {"kernel": lambda: np.array(tensors[name], dtype=dtype).T}
-
-    layers = {}
-    for i in range(config.num_hidden_layers):
-        p = f"model.layers.{i}"
-        layers[i] = {
-            "input_norm": {"weight": plain(f"{p}.input_layernorm.weight")},
-            "post_attention_norm": {"weight": plain(f"{p}.post_attention_layernorm.weight")},
-            "attn": {
-                name: linear(f"{p}.self_attn.{name}.weight")
-                for name in ("q_proj", "k_proj", "v_proj", "o_proj")
-            },
-            "mlp": {
-                name: linear(f"{p}.mlp.{name}.weight")
-                for name in ("gate_proj", "up_proj", "down_proj")
-            },
-        }
-    params: dict[str, Any] = {
-        "embed": plain("model.embed_tokens.weight"),
-        "layers": layers,
-        "final_norm": {"weight": plain("model.norm.weight")},
-    }
-    if not config.tie_word_embeddings:
-        params["lm_head"] = linear("lm_head.weight")
-    return params
+    the loader) -> nested params of `CausalLM`, each leaf a zero-argument callable
+    (`leyline_jax.layers.HFLeaves`). Hugging Face's q/k rows are already in the halves layout
+    (`rotate_half`)."""
+    return _Leaves(config, tensors, dtype).params()

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from leyline_jax.allocator import OutOfPagesError, SequenceError, check_seq, pages_for
+from leyline_jax.config import is_int
 
 __all__ = ["OutOfPagesError", "SequenceError", "KVPools", "PagedKVState", "init_state", "tokens"]
 
@@ -51,6 +52,13 @@ def bucket(n: int, minimum: int = 1, maximum: int | None = None) -> int:
     over the pools are padded to."""
     b = 1 << (max(n, minimum) - 1).bit_length()
     return b if maximum is None else min(b, maximum)
+
+
+def padded(ids, size: int, fill: int) -> jax.Array:
+    """i32[size] on the device: `ids`, then `fill` (the padding a bucketed step drops)."""
+    out = np.full(size, fill, np.int32)
+    out[: len(ids)] = ids
+    return jnp.asarray(out)
 
 
 def storage_dtype(dtype):
@@ -95,13 +103,8 @@ class KVPools:
         default=None, metadata=dict(static=True)
     )
 
-    @property
-    def num_pages(self) -> int:
-        return self.moved[0].shape[0]
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.moved)
+    num_pages = property(lambda self: self.moved[0].shape[0])
+    num_layers = property(lambda self: len(self.moved))
 
     def kernel_impl(self, impl: str | None) -> str | None:
         """The kernel implementation a step over these pools uses: `impl` on one device (or
@@ -158,9 +161,8 @@ class PagedKVState:
         (donates this state's pools): what a purge does to KV nobody may read again."""
         if not len(pages):
             return self
-        padded = np.full(bucket(len(pages)), self.num_pages, np.int32)
-        padded[: len(pages)] = pages
-        return self.replace(pools=_zero_pages(self.pools, jnp.asarray(padded)))
+        ids = padded(pages, bucket(len(pages)), self.num_pages)
+        return self.replace(pools=_zero_pages(self.pools, ids))
 
     # every layer's bands stacked, [L, P, page_size, *shape] storage (a copy: for inspection)
     moved = property(lambda self: jnp.stack(self.pools.moved))
@@ -169,23 +171,10 @@ class PagedKVState:
     moved_dtype = property(lambda self: self.pools.moved_dtype)
     rotated_dtype = property(lambda self: self.pools.rotated_dtype)
     num_layers = property(lambda self: self.pools.num_layers)
-
-    @property
-    def positions(self) -> np.ndarray:
-        """i32[max_seqs] position of each sequence's next token (its length)."""
-        return self.lengths
-
-    @property
-    def num_pages(self) -> int:
-        return self.refcount.shape[0]
-
-    @property
-    def max_seqs(self) -> int:
-        return self.lengths.shape[0]
-
-    @property
-    def max_pages_per_seq(self) -> int:
-        return self.page_table.shape[1]
+    positions = property(lambda self: self.lengths)  # i32[max_seqs] each one's next position
+    num_pages = property(lambda self: self.refcount.shape[0])
+    max_seqs = property(lambda self: self.lengths.shape[0])
+    max_pages_per_seq = property(lambda self: self.page_table.shape[1])
 
 
 def init_state(
@@ -203,31 +192,26 @@ def init_state(
 
     `config`: a model's config (its family says the bands' shapes: `config.kv_bands()`).
     `kv_dtype` stores the moved band (MLA `c_kv`, GQA V); `k_pe_dtype` stores the rotated band
-    (MLA `k_pe`, GQA K) and defaults to float32 whatever
-    `kv_dtype` is: a band rounded to bf16 after every splice drifts like a random walk (relative
-    L2 5e-2 after 1000 splices, against 1.7e-3 for a fresh bf16 prefill), while an fp32 band
-    stays at the fresh-prefill error however many splices it takes (4e-4 at positions up to
-    1e5; `benchmarks/drift_study.py`). The price is ~11% more cache for DeepSeek shapes (a
-    token's 512 bf16 + 64 fp32 values against 576 bf16). `max_seq_len` bounds one sequence
-    (default: the whole pool, capped by the model's max_position_embeddings; an explicit
-    value may go past it: positions the model was not trained for are the caller's choice, as
-    with a serving stack's max-model-length override). `mesh`: a
-    `leyline_jax.sharding.MeshConfig` to split every layer's pools by page over its `data`
-    axis (None: the default device). Raises ValueError naming a bad argument.
+    (MLA `k_pe`, GQA K) and defaults to float32 whatever `kv_dtype` is: a band rounded to bf16
+    after every splice drifts like a random walk (relative L2 5e-2 after 1000 splices, against
+    1.7e-3 for a fresh bf16 prefill), while an fp32 band stays at the fresh-prefill error however
+    many splices it takes (4e-4 at positions up to 1e5; `benchmarks/drift_study.py`). The price
+    is ~11% more cache for DeepSeek shapes (a token's 512 bf16 + 64 fp32 values against 576
+    bf16). `max_seq_len` bounds one sequence (default: the whole pool, capped by the model's
+    max_position_embeddings; an explicit value may go past it: positions the model was not
+    trained for are the caller's choice, as with a serving stack's max-model-length override).
+    `mesh`: a `leyline_jax.sharding.MeshConfig` to split every layer's pools by page over its
+    `data` axis (None: the default device). Raises ValueError naming a bad argument.
     """
-    for name, v in (("num_pages", num_pages), ("page_size", page_size), ("max_seqs", max_seqs)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+    sizes = {"num_pages": num_pages, "page_size": page_size, "max_seqs": max_seqs}
+    if max_seq_len is not None:
+        sizes["max_seq_len"] = max_seq_len
+    for name, v in sizes.items():
+        if not is_int(v) or v < 1:
             raise ValueError(f"{name}={v!r} must be a positive integer")
     num_pages, page_size, max_seqs = int(num_pages), int(page_size), int(max_seqs)
-    limit = config.max_position_embeddings
     if max_seq_len is None:
-        max_seq_len = min(num_pages * page_size, limit)
-    elif (
-        isinstance(max_seq_len, bool)
-        or not isinstance(max_seq_len, (int, np.integer))
-        or max_seq_len < 1
-    ):
-        raise ValueError(f"max_seq_len={max_seq_len!r} must be a positive integer")
+        max_seq_len = min(num_pages * page_size, config.max_position_embeddings)
     max_seq_len = int(max_seq_len)
     max_pages = pages_for(max_seq_len, page_size)
     kv_dtype = jnp.dtype(kv_dtype)
@@ -240,18 +224,13 @@ def init_state(
     layers, bands = config.num_hidden_layers, config.kv_bands()
     sharding = None if mesh is None else mesh.pool_sharding((num_pages, page_size))
 
-    def zeros(shape, dtype):  # made where it lives: a big pool never passes through one device
-        return jnp.zeros(shape, dtype, device=sharding)
+    def band(shape, dtype):  # made where it lives: a big pool never passes through one device
+        shape, dtype = (num_pages, page_size, *shape), storage_dtype(dtype)
+        return tuple(jnp.zeros(shape, dtype, device=sharding) for _ in range(layers))
 
     pools = KVPools(
-        moved=tuple(
-            zeros((num_pages, page_size, *bands.moved), storage_dtype(kv_dtype))
-            for _ in range(layers)
-        ),
-        rotated=tuple(
-            zeros((num_pages, page_size, *bands.rotated), storage_dtype(k_pe_dtype))
-            for _ in range(layers)
-        ),
+        moved=band(bands.moved, kv_dtype),
+        rotated=band(bands.rotated, k_pe_dtype),
         page_size=page_size,
         moved_dtype=kv_dtype,
         rotated_dtype=k_pe_dtype,
@@ -351,7 +330,7 @@ def gather_slots(pools: KVPools, layer: int, slots) -> tuple[jax.Array, jax.Arra
 # ---- host views -------------------------------------------------------------------------------
 def tokens(state: PagedKVState, seq: int) -> list[int]:
     """The token ids of sequence `seq` as it is now."""
-    check_seq(state, seq, must_be_open=True)
+    check_seq(state, seq, want_open=True)
     return state.token_ids[seq].tolist()
 
 

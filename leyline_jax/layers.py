@@ -1,5 +1,6 @@
 """The building blocks every attention family and MLP shares: `Linear`, `RMSNorm` (and its pure
-`rms_norm`), SwiGLU (`swiglu`, `MLP`).
+`rms_norm`), SwiGLU (`swiglu`, `MLP`), and their Hugging Face checkpoint layout (`hf_shapes`,
+`HFLeaves`), which each family's tensor table and converter extend with its attention.
 
 Parameters are created as zeros/ones: models are always built abstractly (`nnx.eval_shape`) and
 filled from a checkpoint by `leyline_jax.loader`, never trained from this initialisation.
@@ -8,8 +9,12 @@ Weights are stored `[in, out]` (`x @ kernel`). RMSNorm statistics are float32.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 
@@ -52,3 +57,97 @@ class MLP(nnx.Module):
         return swiglu(
             x, self.gate_proj.kernel[...], self.up_proj.kernel[...], self.down_proj.kernel[...]
         )
+
+
+# ---- the Hugging Face checkpoint layout of the shared parts ------------------------------------
+def hf_shapes(config, layer: Callable[[str, int], dict]) -> dict[str, tuple[int, ...]]:
+    """Every tensor a Hugging Face checkpoint of `config` holds, with its on-disk shape (linear
+    weights `[out, in]` as torch stores them): the embeddings, norms and LM head of every
+    family, and each layer's attention and MLP from `layer(prefix, i)`."""
+    c, h = config, config.hidden_size
+    shapes = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, h)
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}"
+        shapes[f"{p}.input_layernorm.weight"] = (h,)
+        shapes[f"{p}.post_attention_layernorm.weight"] = (h,)
+        shapes.update(layer(p, i))
+    return shapes
+
+
+def mlp_shapes(prefix: str, hidden: int, inter: int) -> dict[str, tuple[int, int]]:
+    return {
+        f"{prefix}.gate_proj.weight": (inter, hidden),
+        f"{prefix}.up_proj.weight": (inter, hidden),
+        f"{prefix}.down_proj.weight": (hidden, inter),
+    }
+
+
+_TILE = 256  # rows and columns of one block of a transposing copy
+
+
+def contiguous(a: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """`a` as a C-contiguous array (copied into `out` if given). A transposed view (the last
+    two axes swapped, as `.T` makes) is copied block by block, so that reads and writes both
+    stay in cache (numpy's own copy strides across whole rows on one side: 4-8x slower on an
+    embedding-sized matrix), as unsigned integers of the same width (bit-exact; faster than
+    numpy's copy of a custom dtype such as bfloat16)."""
+    if out is None:
+        if a.flags.c_contiguous:
+            return a
+        out = np.empty(a.shape, a.dtype)
+    if a.ndim < 2 or not a.swapaxes(-1, -2).flags.c_contiguous:
+        out[...] = a
+        return out
+    bits = f"u{a.dtype.itemsize}"
+    src, dst = a.view(bits), out.view(bits)
+    rows, cols = a.shape[-2:]
+    for i in range(0, rows, _TILE):
+        for j in range(0, cols, _TILE):
+            dst[..., i : i + _TILE, j : j + _TILE] = src[..., i : i + _TILE, j : j + _TILE]
+    return out
+
+
+class HFLeaves:
+    """Lazy leaves of `CausalLM` params from a flat mapping of Hugging Face tensors (names and
+    shapes already checked): each is a zero-argument callable that reads the tensors it needs
+    and builds the param as numpy in `dtype`, linear weights transposed to `[in, out]`. A
+    family adds `attention(prefix)` (and `moe(prefix)` for sparse layers); `params()` is the
+    nested params dict."""
+
+    def __init__(self, config, tensors: Mapping[str, Any], dtype):
+        self.c, self.tensors, self.dtype = config, tensors, dtype
+
+    def get(self, name, out_dtype=None):  # a fresh array (a lazy tensor's read is one already)
+        return np.array(self.tensors[name], dtype=out_dtype or self.dtype)
+
+    def plain(self, name, out_dtype=None):
+        return lambda: self.get(name, out_dtype)
+
+    def linear(self, name, out_dtype=None):  # [out, in] -> [in, out]
+        return {"kernel": lambda: self.get(name, out_dtype).T}
+
+    def mlp(self, prefix) -> dict:
+        return {
+            k: self.linear(f"{prefix}.{k}.weight") for k in ("gate_proj", "up_proj", "down_proj")
+        }
+
+    def layer(self, i: int) -> dict:
+        p = f"model.layers.{i}"
+        return {
+            "input_norm": {"weight": self.plain(f"{p}.input_layernorm.weight")},
+            "post_attention_norm": {"weight": self.plain(f"{p}.post_attention_layernorm.weight")},
+            "attn": self.attention(f"{p}.self_attn"),
+            "mlp": self.moe(p) if self.c.is_sparse(i) else self.mlp(f"{p}.mlp"),
+        }
+
+    def params(self) -> dict[str, Any]:
+        params: dict[str, Any] = {
+            "embed": self.plain("model.embed_tokens.weight"),
+            "layers": {i: self.layer(i) for i in range(self.c.num_hidden_layers)},
+            "final_norm": {"weight": self.plain("model.norm.weight")},
+        }
+        if not self.c.tie_word_embeddings:
+            params["lm_head"] = self.linear("lm_head.weight")
+        return params

@@ -7,18 +7,23 @@ latent cache in the expanded form (per-head K_nope and V made from the latent) o
 form (queries multiplied into the latent space); the full-sequence forward, the paged step and
 DECAY's attention probe all call it or the paged kernel. The rope band is in the halves layout
 (`leyline_jax.rope`); YaRN's attention factor is applied when a key or query is embedded.
+The family's Hugging Face tensor table and converter close the module.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from leyline_jax import kv_state as kv
 from leyline_jax import rope
-from leyline_jax.config import MLAConfig
-from leyline_jax.layers import Linear, RMSNorm
+from leyline_jax.config import ROUTER_SIGMOID_GROUPED, MLAConfig
+from leyline_jax.layers import HFLeaves, Linear, RMSNorm, contiguous, hf_shapes, mlp_shapes
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
 # q_a_layernorm and kv_a_layernorm use eps 1e-6 whatever rms_norm_eps says (as the reference).
@@ -152,21 +157,12 @@ class MLAAttention(nnx.Module):
         """Attention of [T, H] tokens already cached (their KV is among `ctx_slots`) over a
         sequence's cached slots i32[S] (bool[T, S] `mask`), read from layer `layer`'s pools and
         written nowhere: ([T, H], f32[T, S] each query's attention per slot, summed over heads).
-        Absorbed form,
-        as the paged step attends."""
+        Absorbed form, as the paged step attends."""
         q_nope, q_pe = self.queries(x, positions)
         c = kv.gather_slots(pools, layer, ctx_slots)
         w_kb, w_vb = self.kv_up()
         o, mass = mla_attention(
-            q_nope,
-            q_pe,
-            *c,
-            w_kb,
-            w_vb,
-            mask,
-            self.config.softmax_scale,
-            absorbed=True,
-            mass=True,
+            q_nope, q_pe, *c, w_kb, w_vb, mask, self.config.softmax_scale, absorbed=True, mass=True
         )
         return self.output(o.astype(x.dtype)), mass
 
@@ -179,3 +175,112 @@ class MLAAttention(nnx.Module):
         mask = jnp.tril(jnp.ones((t, t), bool))
         o = mla_attention(q_nope, q_pe, c_kv, k_pe, w_kb, w_vb, mask, self.config.softmax_scale)
         return self.output(o)
+
+
+# ---- Hugging Face checkpoints ------------------------------------------------------------------
+def hf_tensor_shapes(config: MLAConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a Hugging Face MLA checkpoint of this config holds, with its on-disk shape
+    (linear weights `[out, in]` as torch stores them; experts one tensor per expert)."""
+    c = config
+    n, h = c.num_attention_heads, c.hidden_size
+
+    def layer(p: str, i: int) -> dict[str, tuple[int, ...]]:
+        a = f"{p}.self_attn"
+        shapes: dict[str, tuple[int, ...]] = {}
+        if c.q_lora_rank is None:
+            shapes[f"{a}.q_proj.weight"] = (n * c.qk_head_dim, h)
+        else:
+            shapes[f"{a}.q_a_proj.weight"] = (c.q_lora_rank, h)
+            shapes[f"{a}.q_a_layernorm.weight"] = (c.q_lora_rank,)
+            shapes[f"{a}.q_b_proj.weight"] = (n * c.qk_head_dim, c.q_lora_rank)
+        shapes[f"{a}.kv_a_proj_with_mqa.weight"] = (c.kv_lora_rank + c.qk_rope_head_dim, h)
+        shapes[f"{a}.kv_a_layernorm.weight"] = (c.kv_lora_rank,)
+        shapes[f"{a}.kv_b_proj.weight"] = (n * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank)
+        shapes[f"{a}.o_proj.weight"] = (h, n * c.v_head_dim)
+        if not c.is_sparse(i):
+            return shapes | mlp_shapes(f"{p}.mlp", h, c.intermediate_size)
+        shapes[f"{p}.mlp.gate.weight"] = (c.n_routed_experts, h)
+        if c.router == ROUTER_SIGMOID_GROUPED:
+            shapes[f"{p}.mlp.gate.e_score_correction_bias"] = (c.n_routed_experts,)
+        for e in range(c.n_routed_experts):
+            shapes |= mlp_shapes(f"{p}.mlp.experts.{e}", h, c.moe_intermediate_size)
+        if c.n_shared_experts:
+            inter = c.moe_intermediate_size * c.n_shared_experts
+            shapes |= mlp_shapes(f"{p}.mlp.shared_experts", h, inter)
+        return shapes
+
+    return hf_shapes(c, layer)
+
+
+class _Leaves(HFLeaves):
+    """MLA's leaves: `kv_b_proj` split into head-major `k_up` `[N, Dn, R]` and `v_up`
+    `[N, R, Dv]`, experts stacked, interleaved rope rows permuted to the halves layout."""
+
+    def _rope_rows(self, w, axis: int):  # the trailing Dr rows of `axis` in the halves layout
+        if not self.c.rope_interleave:
+            return w
+        perm = rope.deinterleave_perm(self.c.qk_rope_head_dim)
+        head, band = np.split(w, [w.shape[axis] - len(perm)], axis=axis)
+        return np.concatenate([head, np.take(band, perm, axis=axis)], axis)
+
+    def q_proj(self, name):  # [N*Dqk, in]: each head's rope rows permuted, then [in, N*Dqk]
+        c = self.c
+        shape = (c.num_attention_heads, c.qk_head_dim, -1)
+        return {"kernel": lambda: self._rope_rows(self.get(name).reshape(shape), 1)
+                .reshape(c.num_attention_heads * c.qk_head_dim, -1).T}  # fmt: skip
+
+    def kv_a_proj(self, name):  # [R + Dr, H]: the rope rows permuted, then [H, R + Dr]
+        return {"kernel": lambda: self._rope_rows(self.get(name), 0).T}
+
+    def kv_up(self, name) -> dict:  # [N * (Dn + Dv), R] -> k_up [N, Dn, R], v_up [N, R, Dv]
+        c = self.c
+        n, dn = c.num_attention_heads, c.qk_nope_head_dim
+
+        def kv_b():
+            return self.get(name).reshape(n, dn + c.v_head_dim, c.kv_lora_rank)
+
+        return {"k_up": lambda: kv_b()[:, :dn], "v_up": lambda: kv_b()[:, dn:].transpose(0, 2, 1)}
+
+    def experts(self, names):  # E x [out, in] -> [E, in, out], filled one expert at a time
+        def build():
+            d_out, d_in = np.shape(self.tensors[names[0]])
+            out = np.empty((len(names), d_in, d_out), np.dtype(self.dtype))
+            for e, name in enumerate(names):
+                contiguous(self.get(name).T, out=out[e])
+            return out
+
+        return build
+
+    def attention(self, a: str) -> dict:
+        attn: dict[str, Any] = {}
+        if self.c.q_lora_rank is None:
+            attn["q_proj"] = self.q_proj(f"{a}.q_proj.weight")
+        else:
+            attn["q_a_proj"] = self.linear(f"{a}.q_a_proj.weight")
+            attn["q_a_norm"] = {"weight": self.plain(f"{a}.q_a_layernorm.weight")}
+            attn["q_b_proj"] = self.q_proj(f"{a}.q_b_proj.weight")
+        attn["kv_a_proj"] = self.kv_a_proj(f"{a}.kv_a_proj_with_mqa.weight")
+        attn["kv_a_norm"] = {"weight": self.plain(f"{a}.kv_a_layernorm.weight")}
+        attn["o_proj"] = self.linear(f"{a}.o_proj.weight")
+        return attn | self.kv_up(f"{a}.kv_b_proj.weight")
+
+    def moe(self, p: str) -> dict:  # the router and its bias stay float32
+        ex = [f"{p}.mlp.experts.{e}" for e in range(self.c.n_routed_experts)]
+        moe: dict[str, Any] = {
+            "router": {"weight": self.linear(f"{p}.mlp.gate.weight", np.float32)["kernel"]},
+            "experts": {
+                k: self.experts([f"{e}.{k}_proj.weight" for e in ex])
+                for k in ("gate", "up", "down")
+            },
+        }
+        if self.c.router == ROUTER_SIGMOID_GROUPED:
+            moe["router"]["bias"] = self.plain(f"{p}.mlp.gate.e_score_correction_bias", np.float32)
+        if self.c.n_shared_experts:
+            moe["shared"] = self.mlp(f"{p}.mlp.shared_experts")
+        return moe
+
+
+def lazy_hf_params(config: MLAConfig, tensors: Mapping[str, Any], dtype) -> dict[str, Any]:
+    """Lazily: flat mapping of an MLA checkpoint's tensors (names and shapes already checked by
+    the loader) -> nested params of `CausalLM`, each leaf a zero-argument callable (`_Leaves`)."""
+    return _Leaves(config, tensors, dtype).params()

@@ -60,17 +60,14 @@ class CausalLM(nnx.Module):
     def __init__(self, config, dtype=jnp.float32):
         self.config = config
         self.dtype = jnp.dtype(dtype)
-        self.embed = nnx.Param(jnp.zeros((config.vocab_size, config.hidden_size), dtype))  # [V, H]
+        h, v = config.hidden_size, config.vocab_size
+        self.embed = nnx.Param(jnp.zeros((v, h), dtype))  # [V, H]
         self.layers = nnx.List(
             [DecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers)]
         )
-        self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.final_norm = RMSNorm(h, config.rms_norm_eps, dtype)
         # tied embeddings reuse `embed` as the LM head
-        self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else Linear(config.hidden_size, config.vocab_size, dtype)
-        )
+        self.lm_head = None if config.tie_word_embeddings else Linear(h, v, dtype)
 
     def embed_tokens(self, tokens):
         return jnp.take(self.embed[...], tokens, axis=0)

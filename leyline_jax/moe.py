@@ -52,7 +52,7 @@ def route(
         gscores = scores.reshape(t, groups, per_group).max(axis=-1)
         scores = jnp.where(group_mask(gscores), scores, 0.0)
         weights, idx = jax.lax.top_k(scores, k)
-    elif config.router == ROUTER_SIGMOID_GROUPED:
+    else:  # ROUTER_SIGMOID_GROUPED (MLAConfig validates the router name)
         scores = jax.nn.sigmoid(logits)
         choice = scores + bias if bias is not None else scores
         top2, _ = jax.lax.top_k(choice.reshape(t, groups, per_group), 2)
@@ -61,8 +61,6 @@ def route(
         weights = jnp.take_along_axis(scores, idx, axis=-1)
         if config.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
-    else:  # MLAConfig validates the router name; this is unreachable
-        raise AssertionError(config.router)
     return weights * config.routed_scaling_factor, idx
 
 
@@ -75,14 +73,7 @@ class MoEDispatch(enum.Enum):
     GROUPED = "grouped"  # each token through its k experts only
 
 
-def moe_experts_dense(
-    x: jnp.ndarray,  # [T, H]
-    weights: jnp.ndarray,  # f32[T, k]
-    idx: jnp.ndarray,  # i32[T, k]
-    gate: jnp.ndarray,  # [E, H, I]
-    up: jnp.ndarray,  # [E, H, I]
-    down: jnp.ndarray,  # [E, I, H]
-) -> jnp.ndarray:  # [T, H]
+def moe_experts_dense(x, weights, idx, gate, up, down) -> jnp.ndarray:  # shapes as in `moe_experts`
     """Weighted sum of the chosen experts' SwiGLU outputs, every expert run on every token.
 
     Unchosen experts get weight 0. Exact and shape-static, with no sort, gather or loop: the
@@ -97,15 +88,8 @@ def moe_experts_dense(
 
 
 def moe_experts_grouped(
-    x: jnp.ndarray,  # [T, H]
-    weights: jnp.ndarray,  # f32[T, k]
-    idx: jnp.ndarray,  # i32[T, k]
-    gate: jnp.ndarray,  # [E, H, I]
-    up: jnp.ndarray,  # [E, H, I]
-    down: jnp.ndarray,  # [E, I, H]
-    *,
-    ragged: bool | None = None,
-) -> jnp.ndarray:  # [T, H]
+    x, weights, idx, gate, up, down, *, ragged: bool | None = None
+) -> jnp.ndarray:  # shapes as in `moe_experts`
     """`moe_experts_dense`'s result with each token run through its k experts only.
 
     The T*k (token, expert) assignments are sorted by expert (stably, so each expert's rows keep

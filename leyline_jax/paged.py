@@ -80,12 +80,6 @@ PAGE_BLOCK = 256
 
 
 # ---- host planning --------------------------------------------------------------------------
-def _pad(a, size: int, fill: int) -> np.ndarray:
-    out = np.full(size, fill, np.int32)
-    out[: len(a)] = a
-    return out
-
-
 @dataclasses.dataclass(frozen=True)
 class Rows:
     """A step's rows flattened, bucketed and padded (host arrays): what `_step` runs. Shapes
@@ -103,28 +97,36 @@ class Rows:
     cow_dst: np.ndarray  # i32[B]
 
 
-def _rows(state: PagedKVState, seqs, blocks, starts, slots, cow=((), ())) -> Rows:
-    """Rows running blocks[i] at positions starts[i].. of seqs[i], whose KV goes to slots[i]
-    (pages already in `state`'s table), flattened in row order; `cow`: (pages, their copies)
-    the step copies first."""
+def _padding(state: PagedKVState, b: int, t: int) -> Rows:
+    """`b` rows of `t` tokens that are all padding: no row, every slot dropped."""
     p, ps = state.num_pages, state.page_size
-    counts = np.array([len(x) for x in blocks], np.int32)
-    b, t = bucket(len(seqs)), bucket(int(counts.sum()), MIN_TOKEN_BUCKET)
-    cu = np.zeros(b + 1, np.int32)
-    cu[1 : len(seqs) + 1] = np.cumsum(counts)
-    cu[len(seqs) + 1 :] = cu[len(seqs)]
-    rows = Rows(
+    return Rows(
         tokens=np.zeros(t, np.int32),
         positions=np.zeros(t, np.int32),
         slots=np.full(t, p * ps, np.int32),
         kv_lens=np.zeros(b, np.int32),
         page_indices=np.full((b, state.max_pages_per_seq), p, np.int32),
-        cu_q_lens=cu,
-        num_rows=np.array([len(seqs)], np.int32),
-        last=_pad(cu[1 : len(seqs) + 1] - 1, b, 0),
-        cow_src=_pad(cow[0], b, p),
-        cow_dst=_pad(cow[1], b, p),
+        cu_q_lens=np.zeros(b + 1, np.int32),
+        num_rows=np.zeros(1, np.int32),
+        last=np.zeros(b, np.int32),
+        cow_src=np.full(b, p, np.int32),
+        cow_dst=np.full(b, p, np.int32),
     )
+
+
+def _rows(state: PagedKVState, seqs, blocks, starts, slots, cow=((), ())) -> Rows:
+    """Rows running blocks[i] at positions starts[i].. of seqs[i], whose KV goes to slots[i]
+    (pages already in `state`'s table), flattened in row order; `cow`: (pages, their copies)
+    the step copies first."""
+    n, counts = len(seqs), np.array([len(x) for x in blocks], np.int32)
+    rows = _padding(state, bucket(n), bucket(int(counts.sum()), MIN_TOKEN_BUCKET))
+    cu = rows.cu_q_lens
+    cu[1 : n + 1] = np.cumsum(counts)
+    cu[n + 1 :] = cu[n]
+    rows.num_rows[0] = n
+    rows.last[:n] = cu[1 : n + 1] - 1
+    rows.cow_src[: len(cow[0])] = cow[0]
+    rows.cow_dst[: len(cow[1])] = cow[1]
     for i, (q, x, a, sl) in enumerate(zip(seqs, blocks, starts, slots, strict=True)):
         lo, hi = cu[i], cu[i + 1]
         rows.tokens[lo:hi] = x
@@ -139,18 +141,8 @@ def _run(model, state: PagedKVState, rows: Rows, graph=None):
     graphdef, params = nnx.split(model) if graph is None else graph
     device = {k: jnp.asarray(v) for k, v in dataclasses.asdict(rows).items()}
     meta = tuple(device[k] for k in ("kv_lens", "page_indices", "cu_q_lens", "num_rows"))
-    pools, logits = _step(
-        graphdef,
-        params,
-        state.pools,
-        device["cow_src"],
-        device["cow_dst"],
-        device["tokens"],
-        device["positions"],
-        device["slots"],
-        meta,
-        device["last"],
-    )
+    args = (device[k] for k in ("cow_src", "cow_dst", "tokens", "positions", "slots"))
+    pools, logits = _step(graphdef, params, state.pools, *args, meta, device["last"])
     return state.replace(pools=pools), logits
 
 
@@ -185,29 +177,16 @@ def precompile(
     """Compile (and run once) the step for every shape a batch of at most `max_rows` rows of
     at most `max_row_tokens` new tokens each can take: each row bucket with each token bucket
     it can fill; and the page zeroing of a purge (`PagedKVState.zeroed`) up to a sequence's
-    pages. Each
-    run is all padding (no row, every slot dropped): the pools come back unchanged. Returns the
-    state and how many shapes ran."""
-    p, ps, w = state.num_pages, state.page_size, state.max_pages_per_seq
+    pages. Each run is all padding (no row, every slot dropped): the pools come back unchanged.
+    Returns the state and how many shapes ran."""
+    p, w = state.num_pages, state.max_pages_per_seq
     shapes = 0
     for b in (1 << i for i in range(bucket(max_rows).bit_length())):
         top = bucket(min(b, max_rows) * max_row_tokens, MIN_TOKEN_BUCKET)
         for t in (1 << i for i in range(MIN_TOKEN_BUCKET.bit_length() - 1, top.bit_length())):
             if t < bucket(b, MIN_TOKEN_BUCKET):
                 continue  # b rows hold at least b tokens
-            rows = Rows(
-                tokens=np.zeros(t, np.int32),
-                positions=np.zeros(t, np.int32),
-                slots=np.full(t, p * ps, np.int32),
-                kv_lens=np.zeros(b, np.int32),
-                page_indices=np.full((b, w), p, np.int32),
-                cu_q_lens=np.zeros(b + 1, np.int32),
-                num_rows=np.zeros(1, np.int32),
-                last=np.zeros(b, np.int32),
-                cow_src=np.full(b, p, np.int32),
-                cow_dst=np.full(b, p, np.int32),
-            )
-            state, _ = _run(model, state, rows, graph)
+            state, _ = _run(model, state, _padding(state, b, t), graph)
             shapes += 1
     for k in (1 << i for i in range(bucket(w).bit_length())):  # a purge's zeroing
         state = state.zeroed(np.full(k, p, np.int32))  # every id "nowhere": changes nothing
@@ -227,15 +206,12 @@ def prefill(
     `OutOfPagesError` when the pool is short — all before the state changes. Donates `state`.
     """
     toks = check_tokens(tokens, model.config.vocab_size)
-    seq = allocator.check_seq(state, seq, must_be_open=False)
+    seq = allocator.check_seq(state, seq)
     is_new = not state.active[seq]
     length = 0 if is_new else int(state.lengths[seq])
     n = len(toks)
     allocator.check_room(state, seq, length, n)
-    if is_new:
-        need = allocator.pages_for(n, state.page_size)
-    else:
-        need = allocator.append_pages(state, seq, n)
+    need = allocator.append_pages(state, seq, n)  # a sequence not open holds no token
     free = len(allocator.free_pages(state))
     if need > free:
         raise OutOfPagesError(
@@ -278,12 +254,7 @@ def extend(
 
 
 def decode(
-    model: CausalLM,
-    state: PagedKVState,
-    seqs: Sequence[int],
-    tokens: Sequence[int],
-    *,
-    graph=None,
+    model: CausalLM, state: PagedKVState, seqs: Sequence[int], tokens: Sequence[int], *, graph=None
 ) -> tuple[PagedKVState, jax.Array]:
     """Append one token to each of several open sequences in one batched step.
 
@@ -310,7 +281,7 @@ def read_pages(state: PagedKVState, ids) -> tuple[np.ndarray, np.ndarray]:
     parts: tuple[list, list] = ([], [])
     for a in range(0, len(p), PAGE_BLOCK):
         block = p[a : a + PAGE_BLOCK]
-        got = _read_pages(state.pools, jnp.asarray(_pad(block, bucket(len(block)), 0)))
+        got = _read_pages(state.pools, kv.padded(block, bucket(len(block)), 0))
         with jax.transfer_guard_device_to_host("allow"):  # the read this function is for
             for part, band in zip(parts, got, strict=True):
                 part.append(np.asarray(band)[:, : len(block)])
@@ -359,7 +330,7 @@ def load_pages(
     for a in range(0, k, PAGE_BLOCK):
         n = min(PAGE_BLOCK, k - a)
         b = bucket(n)
-        dst = jnp.asarray(_pad(dst_pages[a : a + n], b, state.num_pages))
+        dst = kv.padded(dst_pages[a : a + n], b, state.num_pages)
         pools = _write_pages(
             pools, dst, _pages_block(moved, a, n, b), _pages_block(rotated, a, n, b)
         )
@@ -372,12 +343,4 @@ def compile_counts() -> dict[str, int]:
     return {"step": _step._cache_size(), "zero": kv.compile_counts()["zero"]}
 
 
-__all__ = [
-    "compile_counts",
-    "decode",
-    "extend",
-    "fill",
-    "load_pages",
-    "prefill",
-    "read_pages",
-]
+__all__ = ["compile_counts", "decode", "extend", "fill", "load_pages", "prefill", "read_pages"]

@@ -25,7 +25,7 @@ from flax import nnx
 from leyline_jax import kv_state as kv
 from leyline_jax import paged, rope
 from leyline_jax.allocator import EditPlan
-from leyline_jax.kv_state import PagedKVState, bucket
+from leyline_jax.kv_state import PagedKVState, bucket, padded
 from pallas_kernels.dispatch import resolve
 from pallas_kernels.splice_rotate import TARGETS, Runs, phase_table, plan_runs, splice_rotate
 
@@ -84,12 +84,6 @@ def plan_splice(
 
 
 # ---- device steps ---------------------------------------------------------------------------
-def _pad(a, size: int, fill: int) -> jnp.ndarray:
-    out = np.full(size, fill, np.int32)
-    out[: len(a)] = a
-    return jnp.asarray(out)
-
-
 @functools.partial(jax.jit, static_argnames="impl", donate_argnames="pools")
 def splice_pools(pools: kv.KVPools, runs: Runs, inv_freq, table, *, impl=None) -> kv.KVPools:
     """Move + rotate slots of every layer's pools along `runs` (i32[M] each: `length` slots
@@ -135,7 +129,7 @@ def rotation_tables(config, length: int, impl=None) -> tuple[jax.Array, jax.Arra
 def padded_runs(runs: Runs) -> Runs:
     """`runs` padded to their bucket with runs of length 0 (they move nothing)."""
     m = bucket(len(runs.src), MIN_MOVE_BUCKET)
-    return Runs(*(_pad(a, m, 0) for a in runs))
+    return Runs(*(padded(a, m, 0) for a in runs))
 
 
 def run_edit(
@@ -157,8 +151,8 @@ def run_edit(
     p, ps = state.num_pages, state.page_size
     pools, fills = state.pools, []
     if len(plan.dead) or len(plan.dead_slots):
-        dead = _pad(plan.dead, bucket(max(len(plan.dead), 1)), p)
-        pools = _zero_step(pools, dead, _pad(plan.dead_slots, ps, p * ps))
+        dead = padded(plan.dead, bucket(max(len(plan.dead), 1)), p)
+        pools = _zero_step(pools, dead, padded(plan.dead_slots, ps, p * ps))
     if spliced:
         moves = plan_splice(before, plan.old_row, plan.row, spliced, ps)
         tables = rotation_tables(model.config, state.max_seq_len, impl)
@@ -183,11 +177,11 @@ def precompile(model, state: PagedKVState, *, impl=None) -> tuple[PagedKVState, 
     shapes = 0
     top = bucket(state.max_seq_len, MIN_MOVE_BUCKET)
     for m in (1 << i for i in range(MIN_MOVE_BUCKET.bit_length() - 1, top.bit_length())):
-        zeros = _pad([], m, 0)  # every run is padding (length 0): nothing moves
+        zeros = padded([], m, 0)  # every run is padding (length 0): nothing moves
         pools = splice_pools(state.pools, Runs(*[zeros] * 5), *tables, impl=impl)
         state, shapes = state.replace(pools=pools), shapes + 1
     for k in (1 << i for i in range(bucket(state.max_pages_per_seq).bit_length())):
-        pools = _zero_step(state.pools, _pad([], k, p), _pad([], ps, p * ps))
+        pools = _zero_step(state.pools, padded([], k, p), padded([], ps, p * ps))
         state, shapes = state.replace(pools=pools), shapes + 1
     return state, shapes
 

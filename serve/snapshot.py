@@ -161,17 +161,9 @@ def restore(engine: Engine, root: str | os.PathLike) -> dict | None:
         for p in t["paths"]:
             engine.caches.restore_tree(t["lineage"], p["tokens"], pages[p["pages"]].tolist())
     for r in sessions:  # least recently used first: the engine's LRU order is kept
-        engine.restore_session(
-            r["id"],
-            r["tokens"],
-            pages=pages[r["pages"]].tolist(),
-            cached=r["cached"],
-            clean=r["clean"],
-            pins=[tuple(p) for p in r["pins"]],
-            lineage=r["lineage"],
-            private=r["private"],
-            foreign=r["foreign"],
-        )
+        kw = {k: r[k] for k in ("cached", "clean", "lineage", "private", "foreign")}
+        kw |= {"pages": pages[r["pages"]].tolist(), "pins": [tuple(p) for p in r["pins"]]}
+        engine.restore_session(r["id"], r["tokens"], **kw)
     for p in pins:
         for _ in range(p["count"]):
             engine.radix.pin(p["tokens"])
@@ -239,12 +231,8 @@ class _Records:
             return False
         self.ids.add(r["id"])
         own = f"{OWN_LINEAGE}{r['id']}"
-        for key, default in (
-            ("pins", []),
-            ("lineage", own),
-            ("private", False),
-            ("foreign", False),
-        ):
+        defaults = {"pins": [], "lineage": own, "private": False, "foreign": False}
+        for key, default in defaults.items():
             r.setdefault(key, default)
         return (
             self.ints(r.get("tokens"), self.vocab)

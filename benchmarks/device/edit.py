@@ -66,21 +66,18 @@ def main(argv=None) -> None:
         model = measure.random_model(config, jnp.bfloat16)
         ps, top = sz.page_size, sz.edit_prefix + sz.edit_span + max(sz.edit_downstream)
         held, fresh = pages_for(top, ps), pages_for(sz.edit_stub + max(sz.edit_downstream), ps)
-        pages, seq_len = held + fresh + 4, (held + 1) * ps
-        state = ll.init_state(
-            config, num_pages=pages, page_size=ps, max_seqs=2, max_seq_len=seq_len
-        )
+        size = dict(num_pages=held + fresh + 4, page_size=ps, max_seq_len=(held + 1) * ps)
+        state = ll.init_state(config, max_seqs=2, **size)
+        span = (sz.edit_prefix, sz.edit_prefix + sz.edit_span)  # replaced by the stub
         rng = np.random.default_rng(0)
         stub = rng.integers(0, config.vocab_size, sz.edit_stub).tolist()
         for i, d in enumerate(part.each(sz.edit_downstream, "downstream={}")):
-            tokens = rng.integers(0, config.vocab_size, sz.edit_prefix + sz.edit_span + d)
+            tokens = rng.integers(0, config.vocab_size, span[1] + d)
             state, logits = ll.prefill(model, state, 0, tokens)
             finite(logits)
             times = {}
             for mode in (ll.Mode.AMORTIZE, ll.Mode.FORGET):
-                directive = ll.Directive(
-                    sz.edit_prefix, sz.edit_prefix + sz.edit_span, stub, mode=mode
-                )
+                directive = ll.Directive(*span, stub, mode=mode)
                 # AMORTIZE compiles a splice per move bucket (one per D); FORGET's shapes are
                 # the same at every D (whole chunks plus the stub's remainder)
                 warm = 1 if mode is ll.Mode.AMORTIZE or i == 0 else 0

@@ -35,9 +35,8 @@ class Collector:
 
     def pytest_collectreport(self, report):
         if report.failed:
-            self.collect_errors.append(
-                dict(module=report.nodeid, detail=str(report.longrepr)[-2000:])
-            )
+            detail = str(report.longrepr)[-2000:]
+            self.collect_errors.append(dict(module=report.nodeid, detail=detail))
 
 
 def main(argv=None) -> None:
@@ -51,18 +50,10 @@ def main(argv=None) -> None:
         files = sorted(p for p in TESTS.glob("test_*.py") if "mark.accelerator" in p.read_text())
         part.set(files=[p.name for p in files])
         collector = Collector()
-        code = 5  # pytest's "no tests collected"
-        if files:
-            code = int(
-                pytest.main(
-                    [*map(str, files), "-m", "accelerator", "-q", "-p", "no:cacheprovider"],
-                    plugins=[collector],
-                )
-            )
-        counts = {
-            k: sum(t["outcome"] == k for t in collector.tests)
-            for k in ("passed", "failed", "skipped", "error")
-        }
+        args = [*map(str, files), "-m", "accelerator", "-q", "-p", "no:cacheprovider"]
+        code = int(pytest.main(args, plugins=[collector])) if files else 5  # 5: none collected
+        outcomes = [t["outcome"] for t in collector.tests]
+        counts = {k: outcomes.count(k) for k in ("passed", "failed", "skipped", "error")}
         part.set(
             exit_code=code,
             counts=counts,

@@ -23,8 +23,6 @@ lengths) when that part succeeded, side by side; `speedup_vs_hf` = HF time / our
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
 
 import jax
@@ -44,10 +42,9 @@ from leyline_jax.loader import config_from_hf
 def hf_rows(path: str | None, layers: int) -> tuple[dict, str]:
     """{(kind, size): seconds} of the HF part's result at `layers` layers, and why it is empty
     when it is."""
-    if not path or not os.path.isfile(path):
+    hf = report.read_json(path) if path else None
+    if hf is None:
         return {}, "no HF result file"
-    with open(path) as f:
-        hf = json.load(f)
     if hf.get("status") not in ("ok", "partial"):
         return {}, f"the HF part's status is {hf.get('status')!r}"
     if hf.get("config", {}).get("layers") != layers:
@@ -85,13 +82,9 @@ class Runs:
         self.rng = np.random.default_rng(0)
         ps, top, batch = sz.page_size, max(sz.prefill_lengths), max(sz.decode_batches)
         longest = sz.decode_context + sz.decode_warmup + sz.decode_steps
-        self.state = ll.init_state(
-            model.config,
-            num_pages=max(pages_for(top, ps), batch * pages_for(longest, ps)) + 4,
-            page_size=ps,
-            max_seqs=batch,
-            max_seq_len=max(top, longest),
-        )
+        pages = max(pages_for(top, ps), batch * pages_for(longest, ps)) + 4
+        size = dict(num_pages=pages, page_size=ps, max_seqs=batch, max_seq_len=max(top, longest))
+        self.state = ll.init_state(model.config, **size)
 
     def decode(self, c: int) -> float:
         """Median seconds of a decode step of c sequences of `decode_context` tokens each."""

@@ -34,6 +34,14 @@ def write_json(path: str, data) -> None:
     os.replace(tmp, path)
 
 
+def read_json(path: str):
+    """A result file's data (None where there is no such file)."""
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
 def parser(description: str) -> argparse.ArgumentParser:
     """The arguments every part takes (run.sh passes them); a part may add its own."""
     ap = argparse.ArgumentParser(description=description)

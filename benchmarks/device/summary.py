@@ -14,13 +14,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.metadata
-import json
 import os
 import platform
 import subprocess
 import sys
 
-from benchmarks.device.report import write_json
+from benchmarks.device.report import read_json, write_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PACKAGES = ("jax", "jaxlib", "flax", "numpy", "torch", "transformers")
@@ -39,9 +38,8 @@ def git_commit() -> dict | None:
     .git (a device machine gets a copy of the working tree, not the repository)."""
 
     def git(*args) -> str:
-        return subprocess.run(
-            ["git", *args], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
+        run = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True)
+        return run.stdout.strip()
 
     try:
         dirty = git("status", "--porcelain", "--untracked-files=no")
@@ -53,11 +51,7 @@ def git_commit() -> dict | None:
 
 def part_status(out: str, name: str, code: int, wall: float) -> tuple[dict, dict | None]:
     """(the summary's entry for a part, its JSON or None)."""
-    path = os.path.join(out, f"{name}.json")
-    data = None
-    if os.path.isfile(path):
-        with open(path) as f:
-            data = json.load(f)
+    data = read_json(os.path.join(out, f"{name}.json"))
     status = data["status"] if data else "failed"
     if code in TIMEOUT_CODES:
         status = "timeout"

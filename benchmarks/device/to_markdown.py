@@ -10,18 +10,14 @@ AMORTIZE vs FORGET, the model beside its floor and Hugging Face, and the targets
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
-from benchmarks.harness import table
+from benchmarks.device.report import read_json
+from benchmarks.harness import section, table
 
 
 def _load(out: str, name: str) -> dict | None:
-    path = os.path.join(out, f"{name}.json")
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
+    return read_json(os.path.join(out, f"{name}.json"))
 
 
 def _num(x, fmt: str = ".3g", suffix: str = "") -> str:
@@ -72,16 +68,14 @@ def _splice(splice: dict) -> list[str]:
         + [_num(r[k], ".0%") for k in ("fraction_of_copy_bw", "fraction_of_spec_bw")]
         for r in splice["rows"]
     ]
-    return [
-        "",
+    caption = (
         f"Splice pass (`splice_rotate`, impl `{splice['impl']}`, kernel "
         f"`{splice['kernel']}`; {cfg['layers']} layers, "
         f"c_kv {cfg['kv_lora_rank']} bf16 + k_pe {cfg['qk_rope_head_dim']} fp32, page "
         f"{cfg['page_size']}); copy bandwidth measured in the same run: "
-        f"{bw['bytes_s'] / 1e9:.0f} GB/s (read + write).",
-        "",
-        *table(header, rows),
-    ]
+        f"{bw['bytes_s'] / 1e9:.0f} GB/s (read + write)."
+    )
+    return section(caption, header, rows)
 
 
 def _edit(edit: dict) -> list[str]:
@@ -92,14 +86,12 @@ def _edit(edit: dict) -> list[str]:
         + [_num(r["forget_over_amortize"], ".3g", "x")]
         for r in edit["rows"]
     ]
-    return [
-        "",
+    caption = (
         f"AMORTIZE vs FORGET (`apply_directive`; {cfg['layers']} of "
         f"{cfg['full_layers']} layers{note}; prefix {cfg['prefix']}, span {cfg['span']} -> "
-        f"stub {cfg['stub']}; splice impl `{edit['splice']['impl']}`):",
-        "",
-        *table(["downstream", "AMORTIZE", "FORGET", "FORGET / AMORTIZE"], rows),
-    ]
+        f"stub {cfg['stub']}; splice impl `{edit['splice']['impl']}`):"
+    )
+    return section(caption, ["downstream", "AMORTIZE", "FORGET", "FORGET / AMORTIZE"], rows)
 
 
 def _model(model: dict, hf: dict | None) -> list[str]:
@@ -112,20 +104,17 @@ def _model(model: dict, hf: dict | None) -> list[str]:
         + [_num(r["speedup_vs_hf"], ".2f"), _num(r["ours_over_floor"], ".1f")]
         for r in sorted(model["rows"], key=lambda r: (r["kind"] != "prefill", r["size"]))
     ]
-    return [
-        "",
+    note = f" ({model['hf_note']})" if model.get("hf_note") else ""
+    caption = (
         f"Model: {cfg['layers']} layers, {cfg['params'] / 1e9:.3g}B params, "
         f"random {cfg['weights']} weights; decode at {cfg['decode_context']} tokens of "
         f"context. Floor = max(flops / {peaks['bf16_matmul_flop_s'] / 1e12:.3g} TFLOP/s, "
         f"bytes / {peaks['copy_bytes_s'] / 1e12:.3g} TB/s), both measured in the same run. "
         f"HF: transformers {hf_dev.get('transformers', '?')} on {hf_dev.get('name', '?')}, "
         f"attention `{hf_cfg.get('attn_implementation')}`, experts "
-        f"`{hf_cfg.get('experts_implementation')}`"
-        + (f" ({model['hf_note']})" if model.get("hf_note") else "")
-        + ".",
-        "",
-        *table(header, rows),
-    ]
+        f"`{hf_cfg.get('experts_implementation')}`{note}."
+    )
+    return section(caption, header, rows)
 
 
 def render(out: str) -> str:
@@ -134,10 +123,10 @@ def render(out: str) -> str:
     kernels = _load(out, "kernels")
     if kernels and "counts" in kernels:
         lines += _kernels(kernels)
-    for name, section in (("splice", _splice), ("edit", _edit)):
+    for name, render_part in (("splice", _splice), ("edit", _edit)):
         part = _load(out, name)
         if part and part.get("rows"):
-            lines += section(part)
+            lines += render_part(part)
     model = _load(out, "model")
     if model and model.get("rows"):
         lines += _model(model, _load(out, "hf"))

@@ -73,11 +73,11 @@ import random
 import statistics
 import time
 
-import numpy as np
 from tqdm import tqdm
 
 import leyline_jax as ll
 from benchmarks import traces
+from benchmarks.harness import percentile
 from leyline_jax import allocator, paged, splice
 from serve import policies
 from serve.chat import render, render_reply
@@ -264,27 +264,15 @@ def _closed_loop(engine: Engine, work, concurrency: int, submit, bar) -> list[di
 
 def _summary(arm: str, concurrency: int, records: list[dict], total: float, compiles: int):
     """One arm's row (`KEYS` but the policy) of its per-step records."""
-    lat = [r["latency_s"] for r in records]
-    ttft = [r["ttft_s"] for r in records]
     sums = {k: sum(r[k] for r in records) for k in COUNTS}
-    return dict(
-        arm=arm,
-        concurrency=concurrency,
-        steps=len(records),
-        hit_rate=(sums["reused"] + sums["spliced"]) / max(sums["prompt"], 1),
-        **{f"{k}_tokens": v for k, v in sums.items()},
-        latency_p50_s=_pct(lat, 50),
-        latency_p95_s=_pct(lat, 95),
-        latency_mean_s=statistics.fmean(lat) if lat else 0.0,
-        ttft_p50_s=_pct(ttft, 50),
-        ttft_p95_s=_pct(ttft, 95),
-        total_s=total,
-        compiles=compiles,
-    )
-
-
-def _pct(values, q):
-    return float(np.percentile(np.asarray(values), q)) if values else 0.0
+    row = dict(arm=arm, concurrency=concurrency, steps=len(records), total_s=total)
+    row["hit_rate"] = (sums["reused"] + sums["spliced"]) / max(sums["prompt"], 1)
+    row |= {f"{k}_tokens": v for k, v in sums.items()}
+    for kind in ("latency", "ttft"):
+        xs = [r[f"{kind}_s"] for r in records]
+        row |= {f"{kind}_p{q}_s": percentile(xs, q, empty=0.0) for q in (50, 95)}
+    lat = [r["latency_s"] for r in records]
+    return row | dict(latency_mean_s=statistics.fmean(lat) if lat else 0.0, compiles=compiles)
 
 
 def compiled() -> int:

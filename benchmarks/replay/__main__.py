@@ -20,6 +20,7 @@ from serve import compile_cache
 from serve.chat import model_path, tokenizer_for
 from serve.engine import EngineConfig
 
+WARMUPS = ("compile", "replay", "none")
 # a results.json row's keys, in order
 KEYS = ("arm", "concurrency", "policy", "steps", "hit_rate", *(f"{k}_tokens" for k in COUNTS))
 KEYS += ("latency_p50_s", "latency_p95_s", "latency_mean_s", "ttft_p50_s", "ttft_p95_s")
@@ -33,37 +34,22 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--concurrency", default="1,4,8,16")
     ap.add_argument("--policy", default=None, help="truncate | clear_tool_uses (default: none)")
     ap.add_argument("--keep", type=int, default=2, help="the policy's keep")
-    ap.add_argument(
-        "--model",
-        default=None,
-        help="checkpoint directory, .gguf file, or smollm2 (default: the embedded tiny one)",
-    )
+    model = "checkpoint directory, .gguf file, or smollm2 (default: the embedded tiny one)"
+    ap.add_argument("--model", default=None, help=model)
     ap.add_argument("--root", default=".checkpoints")
     ap.add_argument("--limit", type=int, default=None, help="first N traces")
     ap.add_argument("--sample", type=int, default=None, help="a seeded random sample of N traces")
     ap.add_argument("--seed", type=int, default=0, help="the sample's seed")
-    ap.add_argument(
-        "--compile-cache",
-        default=None,
-        help="keep compiled programs in DIR (default: serve.compile_cache's; off: none)",
-    )
+    harness.add_compile_cache(ap)
     ap.add_argument("--max-new", type=int, default=4, help="tokens generated per step")
     EngineConfig.add_arguments(ap, fields=("page_size", "kv_dtype", "prefill_chunk"))
-    ap.add_argument(
-        "--warmup",
-        choices=("compile", "replay", "none"),
-        default="compile",
-        help="before the timed runs: compile every step shape (default), replay it all "
-        "untimed, or nothing",
-    )
+    warmup = "before the timed runs: compile every step shape (default), replay it all untimed, "
+    warmup += "or nothing"
+    ap.add_argument("--warmup", choices=WARMUPS, default="compile", help=warmup)
     ap.add_argument("--no-warmup", action="store_true", help="the same as --warmup none")
-    ap.add_argument(
-        "--reasoning-rule",
-        choices=REASONING_RULES,
-        default="r1",
-        help="reasoning traces: the history drops every earlier reply's reasoning (r1), or only "
-        "that of earlier user turns (interleaved: DeepSeek-V3.2 / Qwen3 with tools)",
-    )
+    rule = "reasoning traces: the history drops every earlier reply's reasoning (r1), or only "
+    rule += "that of earlier user turns (interleaved: DeepSeek-V3.2 / Qwen3 with tools)"
+    ap.add_argument("--reasoning-rule", choices=REASONING_RULES, default="r1", help=rule)
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--out", required=True)
     return ap
@@ -142,14 +128,11 @@ def main(argv=None) -> list[dict]:
 def markdown(rows) -> str:
     header = ["policy", "arm", "C", "hit rate", *COUNTS, "latency p50", "p95", "mean"]
     header += ["TTFT p50", "total", "compiles"]
-
-    def ms(seconds) -> str:
-        return f"{seconds * 1e3:.1f} ms"
-
+    times = ("latency_p50_s", "latency_p95_s", "latency_mean_s", "ttft_p50_s")
     cells = [
         [r["policy"], r["arm"], str(r["concurrency"]), f"{r['hit_rate']:.1%}"]
         + [str(r.get(f"{k}_tokens", 0)) for k in COUNTS]
-        + [ms(r[k]) for k in ("latency_p50_s", "latency_p95_s", "latency_mean_s", "ttft_p50_s")]
+        + [f"{r[k] * 1e3:.1f} ms" for k in times]
         + [f"{r['total_s']:.1f} s", str(r["compiles"])]
         for r in rows
     ]
@@ -172,9 +155,8 @@ def plot(rows, path) -> None:
             label = f"{arm} ({pol})"
             axes[0].plot(c, [100 * r["hit_rate"] for r in rs], marker="o", label=label)
             axes[1].plot(c, [1e3 * r["latency_mean_s"] for r in rs], marker="o", label=label)
-    axes[0].set(
-        xlabel="concurrency", ylabel="replay cache-hit rate (%)", xscale="log", ylim=(0, 100)
-    )
+    hits = "replay cache-hit rate (%)"
+    axes[0].set(xlabel="concurrency", ylabel=hits, xscale="log", ylim=(0, 100))
     axes[1].set(xlabel="concurrency", ylabel="mean step latency (ms)", xscale="log")
     for ax in axes:
         ax.set_xticks(sorted({r["concurrency"] for r in rows}))

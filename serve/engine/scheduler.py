@@ -93,13 +93,11 @@ class Scheduler:
             return self._fail(req, e)
         final = len(plan.prompt) + req.sampling.max_new_tokens
         if final > self.pool.state.max_seq_len:
-            return self._fail(
-                req,
-                RequestError(
-                    f"the turn would make session {s.id} {final} tokens long (prompt and "
-                    f"max_new_tokens), more than max_seq_len={self.pool.state.max_seq_len}"
-                ),
+            why = (
+                f"the turn would make session {s.id} {final} tokens long (prompt and "
+                f"max_new_tokens), more than max_seq_len={self.pool.state.max_seq_len}"
             )
+            return self._fail(req, RequestError(why))
         kvp = None if s.seq is None else planner.kv_plan(s.cached, plan)
         if kvp is not None and kvp.splices:
             kvp, plain = planner.movable(kvp)
@@ -116,14 +114,12 @@ class Scheduler:
         own = set() if s.seq is None else set(self.pool.seq_pages(s.seq)[:held])
         pinned = len(self.table.pinned_pages(exclude=s) - own)
         if need > self.pool.state.num_pages - held - pinned:
-            return self._fail(
-                req,
-                RequestError(
-                    f"the turn needs up to {need} pages of {ps} tokens beside the {held} its "
-                    f"session holds meanwhile; the pool has {self.pool.state.num_pages}"
-                    + (f", {pinned} of them pinned" if pinned else "")
-                ),
+            why = (
+                f"the turn needs up to {need} pages of {ps} tokens beside the {held} its "
+                f"session holds meanwhile; the pool has {self.pool.state.num_pages}"
+                + (f", {pinned} of them pinned" if pinned else "")
             )
+            return self._fail(req, RequestError(why))
         if kvp is not None and kvp.cut < s.cached:
             # cut first: the pages past the cut come back before the turn takes any (the turn
             # will cut there whenever it runs; a turn that then waits leaves its session cut)
@@ -159,10 +155,8 @@ class Scheduler:
         if self.runner.running():
             return Admission.WAIT
         pinned = [x.id for x in self.table.sessions.values() if x.pins and x.seq is not None]
-        return self._fail(
-            req,
-            RequestError(
-                f"the turn needs {what} that only pinned KV holds (sessions {pinned} hold pins; "
-                f"{len(self.table.pinned_pages())} pages are pinned): unpin some to make room"
-            ),
+        why = (
+            f"the turn needs {what} that only pinned KV holds (sessions {pinned} hold pins; "
+            f"{len(self.table.pinned_pages())} pages are pinned): unpin some to make room"
         )
+        return self._fail(req, RequestError(why))

@@ -62,13 +62,8 @@ def add_routes(app, backend) -> None:
     async def close_session(session_id: str = PathParam(**SESSION_ID)):
         err = await engine_call(worker, lambda answer: Close(session_id, answer))
         if isinstance(err, KeyError):
-            raise APIError(
-                404,
-                f"no session {session_id!r}",
-                "session_id",
-                "not_found_error",
-                code="session_not_found",
-            )
+            why = f"no session {session_id!r}"
+            raise APIError(404, why, "session_id", "not_found_error", code="session_not_found")
         if isinstance(err, SessionBusy):
             raise APIError(409, str(err), "session_id", code="session_busy")
         if err is not None:
@@ -78,12 +73,8 @@ def add_routes(app, backend) -> None:
     @app.post("/v1/snapshot")
     async def take_snapshot():
         if backend.snapshot_dir is None:
-            raise APIError(
-                409,
-                "this server was started without --snapshot-dir",
-                "snapshot_dir",
-                code="no_snapshot_dir",
-            )
+            why = "this server was started without --snapshot-dir"
+            raise APIError(409, why, "snapshot_dir", code="no_snapshot_dir")
         root = backend.snapshot_dir
         result = await engine_call(worker, lambda answer: Snapshot(root, answer))
         if isinstance(result, BaseException):

@@ -14,8 +14,6 @@ the output are parsed back into `tool_calls`.
 from __future__ import annotations
 
 import dataclasses
-import time
-import uuid
 
 from fastapi import Request
 
@@ -25,7 +23,7 @@ from serve.http.errors import APIError
 from serve.http.history import edit_messages, token_directives
 from serve.http.schema import ChatCompletionRequest
 from serve.http.text import OutputText, parse_tool_calls, tool_markers
-from serve.http.turn import Outcome, Reply, SessionHeader, Turns, data, session_key, usage
+from serve.http.turn import Outcome, Reply, SessionHeader, Turns, data, usage
 
 
 @dataclasses.dataclass
@@ -60,11 +58,8 @@ def render(req: ChatCompletionRequest, key: str | None, tok, sessions) -> Turn:
     for k, d in enumerate(mds):
         if d.messages[1] >= len(messages):
             param = f"leyline.directives.{k}.messages"
-            raise APIError(
-                400,
-                f"{param}: {list(d.messages)} is out of range for {len(messages)} messages",
-                param,
-            )
+            why = f"{param}: {list(d.messages)} is out of range for {len(messages)} messages"
+            raise APIError(400, why, param)
     try:
         r = chat.render(tok, messages, tools)
         edited = edit_messages(messages, mds) if mds else messages
@@ -83,14 +78,11 @@ def render(req: ChatCompletionRequest, key: str | None, tok, sessions) -> Turn:
 class ChatReply(Reply):
     """A chat turn's answer: `chat.completion`, or `chat.completion.chunk` events."""
 
+    prefix, kind = "chatcmpl", "chat.completion.chunk"
+
     def __init__(self, req, key, turn: Turn, text: OutputText, backend):
-        self.req, self.key, self.turn, self.text, self.backend = req, key, turn, text, backend
-        self.head = {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "object": "chat.completion.chunk",
-            "created": int(time.time()),
-            "model": backend.model_name,
-        }
+        super().__init__(req, key, text, backend.model_name)
+        self.turn, self.backend = turn, backend
 
     def _chunk(self, delta, finish=None, usage_=None, choices=True) -> dict:
         c = dict(self.head)
@@ -164,16 +156,14 @@ def add_route(app, turns: Turns) -> None:
     async def chat_completions(
         req: ChatCompletionRequest, request: Request, x_session_id: SessionHeader = None
     ):
-        turns.check_model(req.model)
-        key = session_key(req.session_id, x_session_id)
+        key = turns.session(req, x_session_id)
         if (why := req.tool_choice_error()) is not None:
             raise APIError(400, why, "tool_choice")
         tok = backend.tokenizer
         turn = render(req, key, tok, backend.sessions)
-        asked, field = req.max_new
-        sampling = turns.sampling(req, len(turn.final), asked, field)
+        sampling = turns.sampling(req, len(turn.final), *req.max_new)
         job = turns.start(turn.prompt, sampling, req, key, turn.directives)
         markers = tool_markers(tok) if turn.use_tools else ()
         text = OutputText(tok, tok.stop_tokens, req.stops, markers)
         reply = ChatReply(req, key, turn, text, backend)
-        return await turns.respond(job, request, text, reply, key, stream=req.stream)
+        return await turns.respond(job, request, reply)

@@ -4,30 +4,22 @@ tokens, so an edited prompt is spliced."""
 
 from __future__ import annotations
 
-import time
-import uuid
-
 from fastapi import Request
 
 from serve.http.errors import APIError
 from serve.http.schema import CompletionRequest
 from serve.http.text import OutputText
-from serve.http.turn import Outcome, Reply, SessionHeader, Turns, data, session_key, usage
+from serve.http.turn import Outcome, Reply, SessionHeader, Turns, data, usage
 
 
 class TextReply(Reply):
     """A completion's answer: `text_completion` objects, whole or one per event."""
 
-    field = "prompt"
+    field, prefix, kind = "prompt", "cmpl", "text_completion"
 
     def __init__(self, req, key, prompt, text: OutputText, model_name: str):
-        self.req, self.key, self.prompt, self.text = req, key, prompt, text
-        self.head = {
-            "id": f"cmpl-{uuid.uuid4().hex}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": model_name,
-        }
+        super().__init__(req, key, text, model_name)
+        self.prompt = prompt
 
     def _body(self, choices, out: Outcome | None = None) -> dict:
         b = dict(self.head, choices=choices)
@@ -65,25 +57,20 @@ def add_route(app, turns: Turns) -> None:
     async def completions(
         req: CompletionRequest, request: Request, x_session_id: SessionHeader = None
     ):
-        turns.check_model(req.model)
-        key = session_key(req.session_id, x_session_id)
+        key = turns.session(req, x_session_id)
         tok = backend.tokenizer
         if isinstance(req.prompt, str):
             prompt = tok.encode(req.prompt)
             if not prompt:
                 raise APIError(400, "prompt: the text encodes to no token", "prompt")
         else:
-            prompt = list(req.prompt)
-            bad = [t for t in prompt if t >= backend.vocab_size]
+            prompt, vocab = list(req.prompt), backend.vocab_size
+            bad = [t for t in prompt if t >= vocab]
             if bad:
-                raise APIError(
-                    400,
-                    f"prompt: token id {bad[0]} is outside the vocabulary "
-                    f"[0, {backend.vocab_size})",
-                    "prompt",
-                )
+                why = f"prompt: token id {bad[0]} is outside the vocabulary [0, {vocab})"
+                raise APIError(400, why, "prompt")
         sampling = turns.sampling(req, len(prompt), req.max_tokens, "max_tokens")
         job = turns.start(prompt, sampling, req, key)
         text = OutputText(tok, tok.stop_tokens, req.stops, ())
         reply = TextReply(req, key, prompt, text, backend.model_name)
-        return await turns.respond(job, request, text, reply, key, stream=req.stream)
+        return await turns.respond(job, request, reply)

@@ -9,8 +9,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from serve.http.schema import error_body, validation_param
-
 
 class APIError(Exception):
     def __init__(
@@ -26,9 +24,15 @@ class APIError(Exception):
         self.status, self.message, self.param = status, message, param
         self.type, self.code, self.headers = type_, code, headers
 
+    def body(self) -> dict:
+        """OpenAI's error object; a message about a field starts with the field's name."""
+        message, param = self.message, self.param
+        if param and not message.startswith(param):
+            message = f"{param}: {message}"
+        return {"error": {"message": message, "type": self.type, "param": param, "code": self.code}}
+
     def response(self) -> JSONResponse:
-        body = error_body(self.message, param=self.param, type_=self.type, code=self.code)
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def unavailable(why: str = "the engine is not running") -> APIError:
@@ -36,6 +40,22 @@ def unavailable(why: str = "the engine is not running") -> APIError:
     return APIError(
         503, why, None, "server_error", code="unavailable", headers={"Retry-After": "5"}
     )
+
+
+# pydantic names a union's member in the location ("prompt", "str"): not a field (a member
+# spelled with brackets, or a model's class name, is left out by those marks alone)
+_UNION_TAGS = {"str", "int", "float", "bool"}
+
+
+def validation_param(loc) -> str:
+    """A dotted field path from a FastAPI validation error location (("body", "messages", 0,
+    "role") -> "messages.0.role"; the body itself -> "body"). Union members pydantic names in
+    the location (a type, or a model's class name) are not fields and are left out."""
+    parts = [str(p) for p in loc]
+    if parts and parts[0] in ("body", "header", "path", "query"):
+        parts = parts[1:]
+    parts = [p for p in parts if p not in _UNION_TAGS and "[" not in p and not p[:1].isupper()]
+    return ".".join(parts) or "body"
 
 
 def install(app) -> None:

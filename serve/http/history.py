@@ -15,8 +15,6 @@ from serve import chat
 from serve.edits import detect_edits, strongest
 from serve.policies import ClearToolUses
 
-__all__ = ["ContextEditor", "ReplyMemory", "edit_messages", "token_directives"]
-
 
 class ReplyMemory:
     """The token ids of each session's replies, in order, with the text the server returned
@@ -30,9 +28,7 @@ class ReplyMemory:
 
     def __init__(self, per_session: int = 512, sessions: int = 4096):
         self.per_session, self.max_sessions = per_session, sessions
-        self._by_session: collections.OrderedDict[str, list[tuple[str, list[int]]]] = (
-            collections.OrderedDict()
-        )
+        self._by_session = collections.OrderedDict()  # name -> [(text, ids)], oldest first
 
     def remember(self, session: str, text: str, ids: Sequence[int]) -> None:
         replies = self._by_session.setdefault(session, [])
@@ -75,20 +71,15 @@ class ReplyMemory:
             return rendered
         toks, spans, shift, cursor = [], [], 0, 0
         for span in sorted(rendered.spans, key=lambda sp: sp.start):
-            ids = found.get(span.index)
-            if ids is None:
-                spans.append(dataclasses.replace(
-                    span, start=span.start + shift, end=span.end + shift,
-                    content_start=span.content_start + shift, content_end=span.content_end + shift,
-                ))  # fmt: skip
-                continue
-            toks += rendered.tokens[cursor : span.content_start] + list(ids)
-            cursor = span.content_end
-            grow = len(ids) - (span.content_end - span.content_start)
+            ids, grow = found.get(span.index), 0
+            if ids is not None:
+                toks += rendered.tokens[cursor : span.content_start] + list(ids)
+                cursor = span.content_end
+                grow = len(ids) - (span.content_end - span.content_start)
             spans.append(dataclasses.replace(
                 span, start=span.start + shift, end=span.end + shift + grow,
                 content_start=span.content_start + shift,
-                content_end=span.content_start + shift + len(ids),
+                content_end=span.content_end + shift + grow,
             ))  # fmt: skip
             shift += grow
         toks += rendered.tokens[cursor:]

@@ -3,6 +3,8 @@ and the middleware that counts requests by route and status (`CountRequests`).""
 
 from __future__ import annotations
 
+from functools import partial
+
 
 class Metrics:
     """The server's Prometheus metrics, in a registry of its own."""
@@ -11,43 +13,29 @@ class Metrics:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         r = self.registry = CollectorRegistry()
-        self.requests = Counter(
-            "leyline_http_requests",
-            "HTTP requests by endpoint and status",
-            ["endpoint", "status"],
-            registry=r,
+        buckets = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+        counter, gauge = partial(Counter, registry=r), partial(Gauge, registry=r)
+        histogram = partial(Histogram, buckets=buckets, registry=r)
+        self.requests = counter(
+            "leyline_http_requests", "HTTP requests by endpoint and status", ["endpoint", "status"]
         )
-        self.turns = Counter(
-            "leyline_turns", "Turns the engine ended, by outcome", ["outcome"], registry=r
-        )
-        self.prompt_tokens = Counter(
+        self.turns = counter("leyline_turns", "Turns the engine ended, by outcome", ["outcome"])
+        self.prompt_tokens = counter(
             "leyline_prompt_tokens",
             "Prompt tokens of finished turns, by where their KV came from",
             ["source"],
-            registry=r,
         )
-        self.completion_tokens = Counter(
-            "leyline_completion_tokens", "Generated tokens", registry=r
+        self.completion_tokens = counter("leyline_completion_tokens", "Generated tokens")
+        self.hit_rate = gauge(
+            "leyline_cache_hit_rate", "(reused + spliced) / prompt tokens over all finished turns"
         )
-        self.hit_rate = Gauge(
-            "leyline_cache_hit_rate",
-            "(reused + spliced) / prompt tokens over all finished turns",
-            registry=r,
-        )
-        self.queue_depth = Gauge("leyline_queue_depth", "Turns waiting for admission", registry=r)
-        self.running = Gauge("leyline_running_turns", "Turns running", registry=r)
-        self.free_pages = Gauge("leyline_free_pages", "Free KV pages in the pool", registry=r)
-        self.sessions = Gauge("leyline_sessions", "Open engine sessions", registry=r)
-        buckets = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-        self.ttft = Histogram(
-            "leyline_ttft_seconds", "Arrival to first token", buckets=buckets, registry=r
-        )
-        self.step = Histogram(
-            "leyline_step_seconds", "One engine step", buckets=buckets, registry=r
-        )
-        self.latency = Histogram(
-            "leyline_turn_seconds", "Arrival to the turn's end", buckets=buckets, registry=r
-        )
+        self.queue_depth = gauge("leyline_queue_depth", "Turns waiting for admission")
+        self.running = gauge("leyline_running_turns", "Turns running")
+        self.free_pages = gauge("leyline_free_pages", "Free KV pages in the pool")
+        self.sessions = gauge("leyline_sessions", "Open engine sessions")
+        self.ttft = histogram("leyline_ttft_seconds", "Arrival to first token")
+        self.step = histogram("leyline_step_seconds", "One engine step")
+        self.latency = histogram("leyline_turn_seconds", "Arrival to the turn's end")
         self._prompt = self._cached = 0
 
     def turn_done(self, job) -> None:

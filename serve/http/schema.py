@@ -1,4 +1,4 @@
-"""The OpenAI-compatible request bodies `serve.http` accepts, and its error JSON.
+"""The OpenAI-compatible request bodies `serve.http` accepts.
 
 Bodies are pydantic models: a field that fails validation becomes a 400 whose error names it
 (`error.param`, a dotted path such as `messages.1.role`). Fields of the OpenAI API the server
@@ -19,15 +19,6 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from serve.http.extensions import SESSION_ID, ContextManagement, LeylineOptions
-
-__all__ = [
-    "ChatCompletionRequest",
-    "CompletionRequest",
-    "Message",
-    "Tool",
-    "error_body",
-    "validation_param",
-]
 
 MAX_STOP = 4  # as OpenAI
 
@@ -224,47 +215,3 @@ class CompletionRequest(_Sampling):
         if v:
             raise ValueError(f"{info.field_name} is not supported")
         return v
-
-
-# ---- errors ---------------------------------------------------------------------------------
-def error_body(
-    message: str,
-    *,
-    param: str | None = None,
-    type_: str = "invalid_request_error",
-    code: str | None = None,
-) -> dict:
-    """OpenAI's error object; a message about a field starts with the field's name."""
-    if param and not message.startswith(param):
-        message = f"{param}: {message}"
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-# pydantic names a union's member in the location ("prompt", "str"): not a field
-_UNION_TAGS = {
-    "str",
-    "int",
-    "float",
-    "bool",
-    "list[int]",
-    "list[str]",
-    "list[list[int]]",
-    "dict[str,any]",
-    "NamedToolChoice",
-    "literal['none','auto','required']",
-}
-
-
-def validation_param(loc) -> str:
-    """A dotted field path from a FastAPI validation error location (("body", "messages", 0,
-    "role") -> "messages.0.role"; the body itself -> "body"). Union members pydantic names in
-    the location (a type, or a model's class name) are not fields and are left out."""
-    parts = [str(p) for p in loc]
-    if parts and parts[0] in ("body", "header", "path", "query"):
-        parts = parts[1:]
-    parts = [
-        p
-        for p in parts
-        if p.replace(" ", "") not in _UNION_TAGS and "[" not in p and not p[:1].isupper()
-    ]
-    return ".".join(parts) or "body"

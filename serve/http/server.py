@@ -18,6 +18,7 @@ import socket
 import threading
 import time
 
+from serve import compile_cache
 from serve.engine import EngineConfig
 from serve.http.app import build_app, save_at_shutdown
 from serve.http.backend import DEFAULT_MAX_TOKENS, Backend, load_backend
@@ -103,13 +104,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--mesh", default=None, help="a DATAxMODEL device mesh, e.g. 2x4")
     ap.add_argument(
         "--snapshot-dir",
-        default=None,
         help="durable sessions: restore them from DIR at start, save them there on shutdown "
         "(SIGTERM, SIGINT) and on POST /v1/snapshot",
     )
     ap.add_argument(
         "--compile-cache",
-        default=None,
         help="keep compiled programs in DIR (default: serve.compile_cache's; off)",
     )
     return ap
@@ -118,9 +117,6 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> None:
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-
-    from serve import compile_cache
-
     compile_cache.enable(args.compile_cache)
     backend = load_backend(
         args.model,

@@ -30,14 +30,6 @@ class HttpSessions:
         with self._lock:
             self._engine[name] = sid
 
-    def names(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._engine)
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._engine)
-
     def remember(self, name: str, text: str, ids) -> None:
         """Keep a reply's sampled ids for the session's next render."""
         with self._lock:

@@ -12,8 +12,6 @@ from collections.abc import Sequence
 
 from serve import chat
 
-__all__ = ["ModVocabTokenizer", "OutputText", "parse_tool_calls", "tool_markers"]
-
 
 # ---- tokenizers ---------------------------------------------------------------------------
 class ModVocabTokenizer:

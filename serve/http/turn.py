@@ -14,6 +14,7 @@ import asyncio
 import dataclasses
 import json
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Annotated
 
@@ -25,7 +26,6 @@ from leyline_jax.directives import Mode
 from serve.engine import RequestError, SamplingParams, TurnCancelled
 from serve.http.errors import APIError, unavailable
 from serve.http.extensions import SESSION_ID
-from serve.http.schema import error_body
 from serve.http.text import OutputText
 from serve.http.worker import Job, QueueFull, ShuttingDown
 
@@ -45,12 +45,20 @@ class Outcome:
 class Reply:
     """How a route words a turn's answer (subclassed per route). `field`: the request field
     an engine error names; `text`, `req` and `key`: the turn's output text, request and
-    session, which every answer reports."""
+    session, which every answer reports; `head`: the fields every object of the answer opens
+    with (`prefix`: its id's, `kind`: its `object`)."""
 
     field = "messages"
-    text: OutputText
-    req: object
-    key: str | None
+    prefix = kind = ""
+
+    def __init__(self, req, key: str | None, text: OutputText, model_name: str):
+        self.req, self.key, self.text = req, key, text
+        self.head = {
+            "id": f"{self.prefix}-{uuid.uuid4().hex}",
+            "object": self.kind,
+            "created": int(time.time()),
+            "model": model_name,
+        }
 
     def finish_reason(self, output: list[int]) -> str:
         """ "stop" for a stop string or token, else "length" (the budget ran out)."""
@@ -103,14 +111,6 @@ def usage(stats, completion: int) -> dict:
     }
 
 
-def session_key(body_id: str | None, header_id: str | None) -> str | None:
-    if body_id is not None and header_id is not None and body_id != header_id:
-        raise APIError(
-            400, "session_id and the X-Session-Id header name different sessions", "session_id"
-        )
-    return body_id if body_id is not None else header_id
-
-
 def session_headers(key: str | None) -> dict:
     return {"X-Session-Id": key} if key is not None else {}
 
@@ -124,14 +124,16 @@ class Turns:
     def __init__(self, backend):
         self.backend, self.worker = backend, backend.worker
 
-    def check_model(self, name: str) -> None:
-        if name != self.backend.model_name:
-            raise APIError(
-                400,
-                f"model {name!r} does not exist; this server serves {self.backend.model_name!r}",
-                "model",
-                code="model_not_found",
-            )
+    def session(self, req, header: str | None) -> str | None:
+        """Check the request's model; the session it names (`session_id` or the header)."""
+        if req.model != self.backend.model_name:
+            served = self.backend.model_name
+            why = f"model {req.model!r} does not exist; this server serves {served!r}"
+            raise APIError(400, why, "model", code="model_not_found")
+        if req.session_id is not None and header is not None and req.session_id != header:
+            why = "session_id and the X-Session-Id header name different sessions"
+            raise APIError(400, why, "session_id")
+        return req.session_id if req.session_id is not None else header
 
     def sampling(self, req, prompt_len: int, asked: int | None, field: str) -> SamplingParams:
         """The turn's sampling, its budget `asked` (None: the server's default, within the
@@ -186,29 +188,27 @@ class Turns:
             ) from e
         return job
 
-    async def respond(
-        self, job: Job, request: Request, text: OutputText, reply: Reply, key, *, stream: bool
-    ):
-        """Follow the turn to its end and answer: `reply.body` as JSON, or (`stream`)
-        `reply`'s events as SSE, then `[DONE]`; an error mid-stream is the stream's last event
-        before `[DONE]`."""
-        if not stream:
+    async def respond(self, job: Job, request: Request, reply: Reply):
+        """Follow the turn to its end and answer: `reply.body` as JSON, or (the request asked
+        to stream) `reply`'s events as SSE, then `[DONE]`; an error mid-stream is the stream's
+        last event before `[DONE]`."""
+        if not reply.req.stream:
             out = Outcome()
-            async for _ in self._deltas(job, request, text, reply.field, out):
+            async for _ in self._deltas(job, request, reply, out):
                 pass
             if out.gone:
                 raise APIError(499, "the client went away", None, code="cancelled")
-            return JSONResponse(reply.body(out), headers=session_headers(key))
+            return JSONResponse(reply.body(out), headers=session_headers(reply.key))
 
         async def events():
             out = Outcome()
             for ev in reply.opening():
                 yield ev
             try:
-                async for delta in self._deltas(job, request, text, reply.field, out):
+                async for delta in self._deltas(job, request, reply, out):
                     yield reply.delta(delta)
             except APIError as e:
-                yield data(error_body(e.message, param=e.param, type_=e.type, code=e.code))
+                yield data(e.body())
                 yield {"data": "[DONE]"}
                 return
             if out.gone:
@@ -217,7 +217,7 @@ class Turns:
                 yield ev
             yield {"data": "[DONE]"}
 
-        return EventSourceResponse(events(), headers=session_headers(key), ping=15)
+        return EventSourceResponse(events(), headers=session_headers(reply.key), ping=15)
 
     async def _events(self, job: Job, request: Request) -> AsyncIterator[tuple]:
         """The job's events; cancels the turn when the client goes away or time runs out."""
@@ -246,10 +246,11 @@ class Turns:
             if not job.done:
                 self.worker.cancel(job)
 
-    async def _deltas(self, job: Job, request: Request, text: OutputText, field, out: Outcome):
+    async def _deltas(self, job: Job, request: Request, reply: Reply, out: Outcome):
         """The text a turn's output may send so far, delta by delta, as its tokens arrive
         (`out` collects the tokens and the turn's stats). A stop string ends the turn here;
-        an engine error raises the APIError for `field`; a client gone sets `out.gone`."""
+        an engine error raises the APIError for `reply.field`; a client gone sets `out.gone`."""
+        text = reply.text
         async for ev in self._events(job, request):
             if ev[0] == "tokens":
                 out.output += ev[1]
@@ -264,7 +265,7 @@ class Turns:
                 out.gone = True
                 return
             elif not (text.stopped and isinstance(ev[1], TurnCancelled)):
-                raise self._engine_error(ev[1], field)
+                raise self._engine_error(ev[1], reply.field)
         if out.stats is None:  # cut by a stop string: the engine has ended the turn
             out.stats = job.request.stats
 

@@ -23,8 +23,6 @@ from serve.http.sessions import HttpSessions
 
 log = logging.getLogger("serve.http")
 
-__all__ = ["EngineWorker", "Job", "QueueFull", "SessionBusy", "ShuttingDown"]
-
 
 class QueueFull(RuntimeError):
     """As many requests are in flight as the server takes."""
