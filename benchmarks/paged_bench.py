@@ -31,6 +31,7 @@ import leyline_jax as ll
 from benchmarks import harness
 from checkpoints.tiny import TINY_HF_CONFIGS, write_random_checkpoint
 from leyline_jax import paged
+from leyline_jax.model import Split
 
 CONTEXT = 256
 DECODE_STEPS = 8
@@ -140,7 +141,7 @@ def bench_mixed(model, rate: float, bw: float, active: int):
     st, _ = ll.prefill(model, st, 0, rng.integers(0, c.vocab_size, MIXED_CTX))
     for s in range(1, MIXED_DECODE + 1):
         st, _ = ll.prefill(model, st, s, rng.integers(0, c.vocab_size, CONTEXT))
-    graph = nnx.split(model)
+    graph = Split.of(model)
     seqs = list(range(MIXED_DECODE + 1))
     times, ratios = [], []
     for i in range(reps + 1):  # the first compiles

@@ -23,11 +23,10 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from leyline_jax import paged
 from leyline_jax.kv_state import PagedKVState
-from leyline_jax.model import CausalLM
+from leyline_jax.model import CausalLM, Split, merge
 
 WINDOW = 32  # recent queries scored (SnapKV's observation window)
 POOL = 5  # width of the average pool over the span's scores (SnapKV's kernel size)
@@ -35,21 +34,17 @@ MIN_CTX_BUCKET = 16
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _mass(graphdef, params, pools, tokens, positions, live, ctx_slots, ctx_len):
-    """f32[S]: attention the window's live queries (i32[W] tokens at `positions`) give each of
-    the sequence's slots `ctx_slots` (slot s at position s; those at `ctx_len` and past are
-    padding), summed over queries, heads and layers."""
-    model = nnx.merge(graphdef, params)
+def _layer_mass(graph, params, pools, h, positions, live, ctx_slots, ctx_len):
+    """One layer of the probe (`pools`: that layer's pages alone): h after the layer, and
+    f32[S] the attention the window's live queries (at `positions`) give each of the
+    sequence's slots `ctx_slots` (slot s at position s; those at `ctx_len` and past are
+    padding), summed over queries and heads."""
+    layer = merge(graph, params)
     s = jnp.arange(ctx_slots.shape[0])
     # a padding query may read slot 0 only (no empty softmax row); its mass is dropped below
     mask = (s[None, :] <= jnp.where(live, positions, 0)[:, None]) & (s[None, :] < ctx_len)
-    h = model.embed_tokens(tokens)
-    total = jnp.zeros(ctx_slots.shape[0], jnp.float32)
-    for i, layer in enumerate(model.layers):
-        out, m = layer.attn.probe(layer.input_norm(h), positions, pools, i, ctx_slots, mask)
-        total = total + jnp.where(live[:, None], m, 0.0).sum(0)
-        h = layer.feed_forward(h + out)
-    return total
+    out, m = layer.attn.probe(layer.input_norm(h), positions, pools, 0, ctx_slots, mask)
+    return layer.feed_forward(h + out), jnp.where(live[:, None], m, 0.0).sum(0)
 
 
 def scores(model: CausalLM, state: PagedKVState, seq: int, *, window: int = WINDOW, graph=None):
@@ -66,10 +61,13 @@ def scores(model: CausalLM, state: PagedKVState, seq: int, *, window: int = WIND
     positions = np.zeros(wb, np.int32)
     positions[:w] = np.arange(n - w, n)
     live = np.arange(wb) < w
-    graphdef, params = nnx.split(model) if graph is None else graph
-    m = _mass(graphdef, params, state.pools, toks, positions, live, slots, np.int32(n))
+    graph = Split.of(model) if graph is None else graph
+    h, total = graph.embed(toks), jnp.zeros(sb, jnp.float32)
+    for i, layer in enumerate(graph.layers):  # one program per kind of layer
+        h, m = _layer_mass(*layer, state.pools.layer(i), h, positions, live, slots, np.int32(n))
+        total = total + m  # float32, layer by layer
     with jax.transfer_guard_device_to_host("allow"):  # the read this function is for
-        return np.asarray(m, np.float64)[:n]
+        return np.asarray(total, np.float64)[:n]
 
 
 def select(span_scores: np.ndarray, budget: int, *, pool: int = POOL) -> np.ndarray:

@@ -124,6 +124,18 @@ class KVPools:
             moved, rotated = tuple(map(pin, moved)), tuple(map(pin, rotated))
         return dataclasses.replace(self, moved=tuple(moved), rotated=tuple(rotated))
 
+    def layer(self, i: int) -> KVPools:
+        """Layer `i`'s pages alone, as pools of one layer (the same arrays)."""
+        return dataclasses.replace(self, moved=(self.moved[i],), rotated=(self.rotated[i],))
+
+    def by_layer(self, program, *args, **kwargs) -> KVPools:
+        """The pools after `program(pools of one layer, *args, **kwargs)` (a jitted, donating
+        step that returns them) ran on each layer in turn: one compiled program serves every
+        layer, however many there are."""
+        out = [program(self.layer(i), *args, **kwargs) for i in range(self.num_layers)]
+        moved, rotated = tuple(o.moved[0] for o in out), tuple(o.rotated[0] for o in out)
+        return dataclasses.replace(self, moved=moved, rotated=rotated)
+
     def map(self, fn) -> KVPools:
         """The pools with `fn(layer_pool)` applied to every layer's arrays of both bands."""
         return self.with_bands([fn(a) for a in self.moved], [fn(a) for a in self.rotated])
@@ -162,7 +174,7 @@ class PagedKVState:
         if not len(pages):
             return self
         ids = padded(pages, bucket(len(pages)), self.num_pages)
-        return self.replace(pools=_zero_pages(self.pools, ids))
+        return self.replace(pools=self.pools.by_layer(_zero_pages, ids))
 
     # every layer's bands stacked, [L, P, page_size, *shape] storage (a copy: for inspection)
     moved = property(lambda self: jnp.stack(self.pools.moved))

@@ -2,9 +2,16 @@
 
 Each public function validates on the host first (the bookkeeping is host data: no device
 read), so a bad call raises before anything changes; then the host plans the step (pages,
-slots, copy-on-write pairs), pads it to a bucketed shape and calls the one private jitted step,
-which donates the pools. Donation means the state passed in is consumed: keep using the
-returned one.
+slots, copy-on-write pairs), pads it to a bucketed shape and runs the step, which donates the
+pools. Donation means the state passed in is consumed: keep using the returned one.
+
+The step runs layer by layer (`leyline_jax.model.Split`): the embedding's program, then one
+program per layer on that layer's pages, then the logits'. Layers of one kind share one
+compiled program, so a step shape costs the same to trace and compile at 8, 30 or 60 layers
+(1.4-1.9 s at SmolLM2's width, against 3.6 s at 8 layers and 25 s at 60 for the whole step
+as one program; `python -m benchmarks.startup_bench`). A scan over stacked layers (one
+program too) was measured first and set aside: XLA:CPU copies each layer's weights out of
+the stack inside the loop, which made a weight-bound step 1.5-1.9x slower.
 
 The step is ragged: prefill chunks, decode tokens and directive fills of many sequences are one
 flattened batch of new tokens with per-row metadata (query offsets `cu_q_lens`, KV lengths,
@@ -29,14 +36,14 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from leyline_jax import allocator
 from leyline_jax import kv_state as kv
+from leyline_jax import model as models
 from leyline_jax.allocator import OutOfPagesError
 from leyline_jax.config import check_ids, check_tokens
 from leyline_jax.kv_state import PagedKVState, bucket
-from leyline_jax.model import CausalLM
+from leyline_jax.model import CausalLM, Split
 
 # Token buckets start at 1: a decode of B rows runs bucket(B) tokens, not a minimum bucket (at 16
 # a one-row decode of the bench config ran 16 tokens of matmuls and took twice as long)
@@ -45,32 +52,39 @@ MIN_TOKEN_BUCKET = 1
 PREFILL_CHUNK = 1024
 
 
-# ---- the model over a paged cache (traced inside the jitted step) ----------------------------
-def _forward_ragged(model: CausalLM, pools: kv.KVPools, tokens, positions, slots, meta):
-    """Run the decoder over a flattened batch of new tokens (i32[T] each; padding slot
-    P*page_size writes nothing) whose KV goes to `slots`; every row attends through its own
-    pages to its own slots only (each layer's `attn.paged`, which writes its bands and calls
-    `pallas_kernels.ragged_paged_attention`). `meta`: (kv_lens i32[B], page_indices i32[B, W],
-    cu_q_lens i32[B+1], num_rows i32[1]). Returns the final hidden states [T, H] (after the
-    final norm) and the new pools."""
-    h = model.embed_tokens(tokens)
-    for i, layer in enumerate(model.layers):
-        with jax.named_scope(f"layer_{i}"):
-            out, pools = layer.attn.paged(layer.input_norm(h), positions, pools, i, slots, meta)
-            h = layer.feed_forward(h + out)
-    return model.final_norm(h), pools
-
-
+# ---- the model over a paged cache: one program per kind of layer ----------------------------
 @functools.partial(jax.jit, static_argnums=0, donate_argnames="pools")
-def _step(graphdef, params, pools, cow_src, cow_dst, tokens, positions, slots, meta, last):
-    """The one device step: copy shared pages first (`cow_src` -> `cow_dst`, i32[K]; P drops),
-    then run a flattened batch of new tokens of many rows (prefill chunks, decode tokens,
-    directive fills alike; see `_forward_ragged`). Returns the pools and float32 logits
-    [B, vocab] after token `last[b]` (a flat index) of each row."""
-    model = nnx.merge(graphdef, params)
+def _layer_step(graph, params, pools, h, cow_src, cow_dst, positions, slots, meta):
+    """One decoder layer over a flattened batch of new tokens (`pools`: that layer's pages
+    alone). Copy shared pages first (`cow_src` -> `cow_dst`, i32[K]; P drops), then the layer's
+    `attn.paged` writes the new tokens' KV to `slots` (padding P*page_size writes nothing) and
+    every row attends through its own pages to its own slots only (`meta`: kv_lens i32[B],
+    page_indices i32[B, W], cu_q_lens i32[B+1], num_rows i32[1]); then the feed forward.
+    Returns h [T, H] after the layer and the layer's pools."""
+    layer = models.merge(graph, params)
     pools = kv.copy_pages(pools, cow_src, cow_dst)
-    h, pools = _forward_ragged(model, pools, tokens, positions, slots, meta)
-    return pools, model.logits(h[last])
+    out, pools = layer.attn.paged(layer.input_norm(h), positions, pools, 0, slots, meta)
+    return layer.feed_forward(h + out), pools
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _last_logits(graph, params, h, last):
+    """float32 logits [B, vocab] after token `last[b]` (a flat index) of each row."""
+    ends = models.merge(graph, params)
+    return ends.logits(ends.final_norm(h[last]))
+
+
+def _step(graph: Split, pools: kv.KVPools, cow_src, cow_dst, tokens, positions, slots, meta, last):
+    """The device step, layer by layer: embed, each layer's program on its own pages (donated
+    one layer at a time), logits. Returns the pools and float32 logits [B, vocab]."""
+    h = graph.embed(tokens)
+    moved, rotated = [], []
+    for i, layer in enumerate(graph.layers):
+        one = pools.layer(i)
+        h, one = _layer_step(*layer, one, h, cow_src, cow_dst, positions, slots, meta)
+        moved.append(one.moved[0])
+        rotated.append(one.rotated[0])
+    return pools.with_bands(moved, rotated), graph.run(_last_logits, h, last)
 
 
 _read_pages = jax.jit(kv.read_pages)
@@ -137,12 +151,12 @@ def _rows(state: PagedKVState, seqs, blocks, starts, slots, cow=((), ())) -> Row
     return rows
 
 
-def _run(model, state: PagedKVState, rows: Rows, graph=None):
-    graphdef, params = nnx.split(model) if graph is None else graph
+def _run(model, state: PagedKVState, rows: Rows, graph: Split | None = None):
+    graph = Split.of(model) if graph is None else graph
     device = {k: jnp.asarray(v) for k, v in dataclasses.asdict(rows).items()}
     meta = tuple(device[k] for k in ("kv_lens", "page_indices", "cu_q_lens", "num_rows"))
     args = (device[k] for k in ("cow_src", "cow_dst", "tokens", "positions", "slots"))
-    pools, logits = _step(graphdef, params, state.pools, *args, meta, device["last"])
+    pools, logits = _step(graph, state.pools, *args, meta, device["last"])
     return state.replace(pools=pools), logits
 
 
@@ -220,7 +234,7 @@ def prefill(
         )
     if is_new:
         state = allocator.open_seq(state, seq)
-    graph = nnx.split(model)
+    graph = Split.of(model)
     for a in range(0, n, PREFILL_CHUNK):
         state, logits = _append(model, state, [seq], [toks[a : a + PREFILL_CHUNK]], graph)
     return state, logits[0]
@@ -239,7 +253,7 @@ def extend(
     prefill half of continuous batching). Blocks may differ in length; each is at most
     `PREFILL_CHUNK` tokens. Returns the new state and float32 logits [len(seqs), vocab] after
     each block's last token. Raises like `decode`, before the state changes. Donates `state`.
-    `graph`: `nnx.split(model)` made once by a caller that steps often (saves the split).
+    `graph`: `Split.of(model)` made once by a caller that steps often (saves the split).
     `padded`: return the step's logits as they are, [bucket(len(seqs)), vocab] (rows past
     len(seqs) are padding), so a caller that samples on device meets no shape-dependent slice."""
     seqs = list(seqs)
@@ -340,7 +354,8 @@ def load_pages(
 
 def compile_counts() -> dict[str, int]:
     """How many shapes each jitted step has compiled (for tests and benchmarks)."""
-    return {"step": _step._cache_size(), "zero": kv.compile_counts()["zero"]}
+    ends = _last_logits._cache_size() + models.compile_counts()["embed"]
+    return {"step": _layer_step._cache_size(), "ends": ends, "zero": kv.compile_counts()["zero"]}
 
 
 __all__ = ["compile_counts", "decode", "extend", "fill", "load_pages", "prefill", "read_pages"]

@@ -20,12 +20,12 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from leyline_jax import kv_state as kv
 from leyline_jax import paged, rope
 from leyline_jax.allocator import EditPlan
 from leyline_jax.kv_state import PagedKVState, bucket, padded
+from leyline_jax.model import Split
 from pallas_kernels.dispatch import resolve
 from pallas_kernels.splice_rotate import TARGETS, Runs, phase_table, plan_runs, splice_rotate
 
@@ -85,17 +85,12 @@ def plan_splice(
 
 # ---- device steps ---------------------------------------------------------------------------
 @functools.partial(jax.jit, static_argnames="impl", donate_argnames="pools")
-def splice_pools(pools: kv.KVPools, runs: Runs, inv_freq, table, *, impl=None) -> kv.KVPools:
-    """Move + rotate slots of every layer's pools along `runs` (i32[M] each: `length` slots
-    from `src` to `dst` at positions from `pos_from` to `pos_to`; length 0: padding), in one
-    `splice_rotate` over all layers, each pool still its own buffer, moved in place, viewed as
-    one row per slot (a slot holding several rows, GQA's KV heads, is one row of several
-    vectors, all rotated alike). `inv_freq` f32[width/2] and `table` (`rotation_tables`).
-    Donates `pools`. The public entry the benchmarks time."""
+def _splice_layer(pools: kv.KVPools, runs: Runs, inv_freq, table, *, impl=None) -> kv.KVPools:
+    """`splice_pools` on pools of one layer: the program every layer runs."""
     slots = pools.num_pages * pools.page_size
-    cs, ks = splice_rotate(
-        tuple(x.reshape(slots, -1) for x in pools.moved),
-        tuple(x.reshape(slots, -1) for x in pools.rotated),
+    (c,), (k,) = splice_rotate(
+        (pools.moved[0].reshape(slots, -1),),
+        (pools.rotated[0].reshape(slots, -1),),
         runs,
         inv_freq,
         k_dtype=pools.rotated_dtype,
@@ -103,10 +98,17 @@ def splice_pools(pools: kv.KVPools, runs: Runs, inv_freq, table, *, impl=None) -
         max_run=pools.page_size,
         impl=pools.kernel_impl(impl),
     )
-    return pools.with_bands(
-        [x.reshape(o.shape) for x, o in zip(cs, pools.moved, strict=True)],
-        [x.reshape(o.shape) for x, o in zip(ks, pools.rotated, strict=True)],
-    )
+    return pools.with_bands([c.reshape(pools.moved[0].shape)], [k.reshape(pools.rotated[0].shape)])
+
+
+def splice_pools(pools: kv.KVPools, runs: Runs, inv_freq, table, *, impl=None) -> kv.KVPools:
+    """Move + rotate slots of every layer's pools along `runs` (i32[M] each: `length` slots
+    from `src` to `dst` at positions from `pos_from` to `pos_to`; length 0: padding), by
+    `splice_rotate`, one layer at a time (one compiled program for every layer), each pool
+    moved in place, viewed as one row per slot (a slot holding several rows, GQA's KV heads,
+    is one row of several vectors, all rotated alike). `inv_freq` f32[width/2] and `table`
+    (`rotation_tables`). Donates `pools`. The public entry the benchmarks time."""
+    return pools.by_layer(_splice_layer, runs, inv_freq, table, impl=impl)
 
 
 @functools.partial(jax.jit, donate_argnames="pools")
@@ -152,14 +154,15 @@ def run_edit(
     pools, fills = state.pools, []
     if len(plan.dead) or len(plan.dead_slots):
         dead = padded(plan.dead, bucket(max(len(plan.dead), 1)), p)
-        pools = _zero_step(pools, dead, padded(plan.dead_slots, ps, p * ps))
+        slots = padded(plan.dead_slots, ps, p * ps)
+        pools = pools.by_layer(_zero_step, dead, slots)
     if spliced:
         moves = plan_splice(before, plan.old_row, plan.row, spliced, ps)
         tables = rotation_tables(model.config, state.max_seq_len, impl)
         pools = splice_pools(pools, padded_runs(moves.runs), *tables, impl=impl)
         fills = moves.fills
     state = plan.state.replace(pools=pools)
-    graph = nnx.split(model)
+    graph = Split.of(model)
     for start, toks in fills:
         state, _ = paged.fill(model, state, seq, start, toks, graph)
     if len(tail):
@@ -181,11 +184,12 @@ def precompile(model, state: PagedKVState, *, impl=None) -> tuple[PagedKVState, 
         pools = splice_pools(state.pools, Runs(*[zeros] * 5), *tables, impl=impl)
         state, shapes = state.replace(pools=pools), shapes + 1
     for k in (1 << i for i in range(bucket(state.max_pages_per_seq).bit_length())):
-        pools = _zero_step(state.pools, padded([], k, p), padded([], ps, p * ps))
+        pages, slots = padded([], k, p), padded([], ps, p * ps)
+        pools = state.pools.by_layer(_zero_step, pages, slots)
         state, shapes = state.replace(pools=pools), shapes + 1
     return state, shapes
 
 
 def compile_counts() -> dict[str, int]:
     """How many shapes the splice and zeroing steps have compiled (tests and benchmarks)."""
-    return {"splice": splice_pools._cache_size(), "zero": _zero_step._cache_size()}
+    return {"splice": _splice_layer._cache_size(), "zero": _zero_step._cache_size()}

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import torch
 from conftest import DECODERS, random_tokens
-from flax import nnx
 from test_parity import assert_logits_match, rel_err
 
 import leyline_jax as ll
 from leyline_jax import allocator, paged
 from leyline_jax import kv_state as kv
+from leyline_jax.model import Split
 
 PROMPTS = (200, 150, 77)  # three interleaved sequences; none is a multiple of 16 or 7
 STEPS = 24
@@ -244,14 +244,51 @@ def test_compiles_once_per_bucket(np_ckpt):
             for s in batch:
                 open_seqs[s] += 1
     after = paged.compile_counts()
-    # one step program per (rows, tokens) bucket, whatever the sequences' lengths
-    assert after["step"] - before["step"] <= len(prefill_keys | decode_keys)
+    # one layer program per (rows, tokens) bucket and kind of layer, whatever the sequences'
+    # lengths and however many layers
+    kinds = len({graph for graph, _ in Split.of(model).layers})
+    assert after["step"] - before["step"] <= kinds * len(prefill_keys | decode_keys)
     # and a repeat of an already-seen shape compiles nothing
     s = next(iter(open_seqs))
     n_before = paged.compile_counts()
     state, _ = ll.decode(model, state, [s], [2])
     state, _ = ll.decode(model, state, [s], [3])
-    assert paged.compile_counts()["step"] - n_before["step"] <= 1
+    assert paged.compile_counts()["step"] - n_before["step"] <= kinds
+
+
+def test_a_step_traces_each_kind_of_layer_once(tmp_path, monkeypatch):
+    """One compiled program per kind of layer: a new step shape of a 6-layer model traces its
+    layer's attention once, not once per layer (what a step costs to trace and compile does
+    not grow with depth). The count can fail: with every layer its own program, six traces."""
+    from checkpoints.tiny import TINY_GQA_CONFIGS, write_random_checkpoint
+    from leyline_jax import gqa
+    from leyline_jax import model as models
+
+    cfg = TINY_GQA_CONFIGS["llama"] | {"num_hidden_layers": 6, "hidden_size": 48}
+    model = ll.load_model(write_random_checkpoint(tmp_path / "deep", cfg))
+    traced, real = [], gqa.GQAAttention.paged
+    monkeypatch.setattr(gqa.GQAAttention, "paged", lambda *a: traced.append(1) or real(*a))
+
+    def traces(tokens: int) -> int:
+        traced.clear()
+        state = ll.init_state(model.config, num_pages=16, page_size=16, max_seqs=2)
+        ll.prefill(model, state, 0, random_tokens(tokens))
+        return len(traced)
+
+    assert traces(3) == 1
+    monkeypatch.setattr(models._Graph, "__eq__", lambda a, b: a is b)  # each layer its own
+    monkeypatch.setattr(models._Graph, "__hash__", lambda a: id(a))
+    monkeypatch.setattr(models.Split, "of", _one_graph_per_layer)
+    assert traces(7) == 6
+
+
+def _one_graph_per_layer(model):
+    from leyline_jax import model as models
+
+    def pair(module):
+        return models._Graph.split(module, {})
+
+    return models.Split(pair(models.Ends(model)), tuple(pair(x) for x in model.layers))
 
 
 def test_long_prefill_runs_in_chunks(np_ckpt):
@@ -306,10 +343,11 @@ def _step_bytes(model, num_pages: int, tokens: int) -> tuple[int, int]:
     state, plan = allocator.append(allocator.open_seq(state, 0), [0], [block])
     rows = dataclasses.asdict(paged._rows(state, [0], [block], [0], plan.slots))
     meta = tuple(rows[k] for k in ("kv_lens", "page_indices", "cu_q_lens", "num_rows"))
-    args = [rows[k] for k in ("cow_src", "cow_dst", "tokens", "positions", "slots")]
-    graph = nnx.split(model)
+    args = [rows[k] for k in ("cow_src", "cow_dst", "positions", "slots")]
+    h = jnp.zeros((len(rows["tokens"]), model.config.hidden_size), model.dtype)
+    layer = Split.of(model).layers[-1]
     return _unaliased_bytes(
-        paged._step.lower(*graph, state.pools, *args, meta, rows["last"]).compile()
+        paged._layer_step.lower(*layer, state.pools.layer(0), h, *args, meta).compile()
     )
 
 
@@ -322,7 +360,7 @@ def _splice_bytes(model, num_pages: int) -> tuple[int, int]:
     idx = jnp.arange(64, dtype=jnp.int32)
     inv, table = splice.rotation_tables(model.config, 256)
     runs = Runs(idx, idx + 64, jnp.ones_like(idx), idx, idx + 1)
-    lowered = splice.splice_pools.lower(state.pools, runs, inv, table, impl=None)
+    lowered = splice._splice_layer.lower(state.pools.layer(0), runs, inv, table, impl=None)
     return _unaliased_bytes(lowered.compile())
 
 
@@ -345,10 +383,10 @@ def test_a_step_never_copies_a_pool(np_ckpt, monkeypatch, tokens):
     def on_a_copy(q_lat, q_pe, c_kv, k_pe, *meta, **kw):
         return attend(q_lat, q_pe, jnp.flip(c_kv, 0), k_pe, *meta, **kw)
 
-    paged._step.clear_cache()  # no trace of the real attention may serve the patched lowering
+    paged._layer_step.clear_cache()  # no trace of the real attention may serve the patched lowering
     monkeypatch.setattr(mla, "ragged_paged_attention", on_a_copy)
     try:
         (small, _), (big, _) = _step_bytes(model, 64, tokens), _step_bytes(model, 4096, tokens)
     finally:
-        paged._step.clear_cache()  # nor the patched trace any later call
+        paged._layer_step.clear_cache()  # nor the patched trace any later call
     assert big - small >= 4000 * 16 * model.config.kv_lora_rank * 2  # a bf16 layer pool, at least

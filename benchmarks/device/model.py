@@ -37,6 +37,7 @@ from benchmarks.device.shapes import sizes
 from leyline_jax import paged
 from leyline_jax.allocator import pages_for
 from leyline_jax.loader import config_from_hf
+from leyline_jax.model import Split
 
 
 def hf_rows(path: str | None, layers: int) -> tuple[dict, str]:
@@ -78,7 +79,7 @@ class Runs:
     prompt), so that every run meets the same compiled shapes."""
 
     def __init__(self, model, sz):
-        self.model, self.sz, self.graph = model, sz, nnx.split(model)
+        self.model, self.sz, self.graph = model, sz, Split.of(model)
         self.rng = np.random.default_rng(0)
         ps, top, batch = sz.page_size, max(sz.prefill_lengths), max(sz.decode_batches)
         longest = sz.decode_context + sz.decode_warmup + sz.decode_steps

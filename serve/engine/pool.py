@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from flax import nnx
 
 import leyline_jax as ll
 from leyline_jax import allocator, paged
+from leyline_jax.model import Split
 from leyline_jax.sharding import MeshConfig, shard_model
 
 
@@ -24,7 +24,7 @@ class Pool:
             raise TypeError(f"mesh must be a leyline_jax.sharding.MeshConfig, got {mesh!r}")
         self.mesh = mesh
         self.model = model if mesh is None else shard_model(model, mesh)
-        self.graph = nnx.split(self.model)
+        self.graph = Split.of(self.model)
         self.state = ll.init_state(self.model.config, **config.state_args(), mesh=mesh)
         self.page_size = config.page_size
 
