@@ -8,8 +8,8 @@ pools. Donation means the state passed in is consumed: keep using the returned o
 The step runs layer by layer (`leyline_jax.model.Split`): the embedding's program, then one
 program per layer on that layer's pages, then the logits'. Layers of one kind share one
 compiled program, so a step shape costs the same to trace and compile at 8, 30 or 60 layers
-(1.4-1.9 s at SmolLM2's width, against 3.6 s at 8 layers and 25 s at 60 for the whole step
-as one program; `python -m benchmarks.startup_bench`). A scan over stacked layers (one
+(about 1.5-2 s at SmolLM2's width, against 3-4 s at 8 layers and 22-25 s at 60 for the whole
+step as one program; `python -m benchmarks.startup_bench`, BENCHMARKS.md). A scan over stacked layers (one
 program too) was measured first and set aside: XLA:CPU copies each layer's weights out of
 the stack inside the loop, which made a weight-bound step 1.5-1.9x slower.
 
