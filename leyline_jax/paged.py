@@ -9,9 +9,10 @@ The step runs layer by layer (`leyline_jax.model.Split`): the embedding's progra
 program per layer on that layer's pages, then the logits'. Layers of one kind share one
 compiled program, so a step shape costs the same to trace and compile at 8, 30 or 60 layers
 (about 1.5-2 s at SmolLM2's width, against 3-4 s at 8 layers and 22-25 s at 60 for the whole
-step as one program; `python -m benchmarks.startup_bench`, BENCHMARKS.md). A scan over stacked layers (one
-program too) was measured first and set aside: XLA:CPU copies each layer's weights out of
-the stack inside the loop, which made a weight-bound step 1.5-1.9x slower.
+step as one program; `python -m benchmarks.startup_bench`, BENCHMARKS.md). A scan over
+stacked layers (one program too) was measured first and set aside: XLA:CPU copies each
+layer's weights out of the stack inside the loop, which made a weight-bound step 1.5-1.9x
+slower.
 
 The step is ragged: prefill chunks, decode tokens and directive fills of many sequences are one
 flattened batch of new tokens with per-row metadata (query offsets `cu_q_lens`, KV lengths,
