@@ -44,6 +44,11 @@ import numpy as np
 from leyline_jax.allocator import OutOfPagesError, SequenceError, check_seq, pages_for
 from leyline_jax.config import is_int
 
+# The most new tokens one step carries by default (`init_state`'s `max_step_tokens`)
+MAX_STEP_TOKENS = 1024
+# Pages are zeroed in blocks of at most this many (each bucketed): a bounded set of shapes
+ZERO_BLOCK = 64
+
 __all__ = ["OutOfPagesError", "SequenceError", "KVPools", "PagedKVState", "init_state", "tokens"]
 
 
@@ -157,6 +162,8 @@ class PagedKVState:
     refcount: np.ndarray  # host i32[P] references to each page; 0 = free
     vocab_size: int = dataclasses.field(metadata=dict(static=True))  # token ids are < this
     max_seq_len: int = dataclasses.field(metadata=dict(static=True))  # exact, not page-rounded
+    # the most new tokens one step carries: the top of the step's token buckets
+    max_step_tokens: int = dataclasses.field(default=MAX_STEP_TOKENS, metadata=dict(static=True))
 
     def replace(self, **changes) -> PagedKVState:
         """A new state with `changes` (host arrays are frozen: nobody writes them in place)."""
@@ -170,11 +177,13 @@ class PagedKVState:
 
     def zeroed(self, pages) -> PagedKVState:
         """The state with whole pages `pages` (host ids) zeroed in every layer, on the device
-        (donates this state's pools): what a purge does to KV nobody may read again."""
-        if not len(pages):
-            return self
-        ids = padded(pages, bucket(len(pages)), self.num_pages)
-        return self.replace(pools=self.pools.by_layer(_zero_pages, ids))
+        (donates this state's pools), in blocks of `ZERO_BLOCK`: what a purge does to KV
+        nobody may read again."""
+        pools = self.pools
+        for a in range(0, len(pages), ZERO_BLOCK):
+            block = pages[a : a + ZERO_BLOCK]
+            pools = pools.by_layer(_zero_pages, padded(block, bucket(len(block)), self.num_pages))
+        return self if pools is self.pools else self.replace(pools=pools)
 
     # every layer's bands stacked, [L, P, page_size, *shape] storage (a copy: for inspection)
     moved = property(lambda self: jnp.stack(self.pools.moved))
@@ -198,6 +207,7 @@ def init_state(
     kv_dtype=jnp.bfloat16,
     k_pe_dtype=None,
     max_seq_len: int | None = None,
+    max_step_tokens: int = MAX_STEP_TOKENS,
     mesh=None,
 ) -> PagedKVState:
     """An empty pool of `num_pages` pages of `page_size` slots for up to `max_seqs` sequences.
@@ -212,10 +222,13 @@ def init_state(
     bf16). `max_seq_len` bounds one sequence (default: the whole pool, capped by the model's
     max_position_embeddings; an explicit value may go past it: positions the model was not
     trained for are the caller's choice, as with a serving stack's max-model-length override).
-    `mesh`: a `leyline_jax.sharding.MeshConfig` to split every layer's pools by page over its
+    `max_step_tokens`: the most new tokens one step carries (a longer prefill runs in chunks of
+    this many; `leyline_jax.paged.step_shapes` lists the shapes it allows). `mesh`: a
+    `leyline_jax.sharding.MeshConfig` to split every layer's pools by page over its
     `data` axis (None: the default device). Raises ValueError naming a bad argument.
     """
     sizes = {"num_pages": num_pages, "page_size": page_size, "max_seqs": max_seqs}
+    sizes["max_step_tokens"] = max_step_tokens
     if max_seq_len is not None:
         sizes["max_seq_len"] = max_seq_len
     for name, v in sizes.items():
@@ -258,6 +271,7 @@ def init_state(
         refcount=_frozen(np.zeros(num_pages, np.int32)),
         vocab_size=config.vocab_size,
         max_seq_len=max_seq_len,
+        max_step_tokens=int(max_step_tokens),
     )
 
 

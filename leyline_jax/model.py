@@ -82,20 +82,27 @@ class CausalLM(nnx.Module):
         return out.astype(jnp.float32)
 
     def __call__(self, tokens) -> jnp.ndarray:
-        """Full-sequence forward of one sequence from position 0: i32[T] -> f32[T, vocab], one
-        program per end and one per kind of layer (`Split`), run layer by layer.
+        """Full-sequence forward of one sequence from position 0: i32[T] -> f32[T, vocab], run
+        as `Split` says (one program, or one per end and one per kind of layer).
 
         Raises ValueError for a token array that is not 1-D, empty, or holds ids outside
         [0, vocab_size).
         """
         tokens = jnp.asarray(check_tokens(tokens, self.config.vocab_size))
         graph = Split.of(self)
-        h = graph.embed(tokens)
         positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)
+        if graph.fused:
+            return _whole_forward(*graph.whole, tokens, positions)
+        h = graph.embed(tokens)
         for layer in graph.layers:
             h = _layer_forward(*layer, h, positions)
         return graph.run(_logits, h)
 
+
+# A model of at most this many layers runs a step as one program (embedding, layers, logits):
+# it compiles one program per shape where layer by layer would compile three or four, and
+# makes no dispatch per layer. Deeper models run layer by layer (`Split`).
+FUSED_LAYERS = 4
 
 # the name the MLA families' code and users have used since the first release
 MLAModel = CausalLM
@@ -150,14 +157,22 @@ def merge(graph: _Graph, leaves):
     return nnx.merge(graph.graphdef, jax.tree.unflatten(graph.treedef, leaves))
 
 
+def merge_whole(graphs, params) -> tuple:
+    """(ends, layers), the modules of `Split.whole` inside a program."""
+    (ends_graph, layer_graphs), (ends_params, layer_params) = graphs, params
+    layers = [merge(g, p) for g, p in zip(layer_graphs, layer_params, strict=True)]
+    return merge(ends_graph, ends_params), layers
+
+
 @dataclasses.dataclass(frozen=True)
 class Split:
     """A model as the programs run it: its ends and each layer as pairs (graph, params), for
     `merge`. Layers of one kind (dense, MoE) share one graph, so one compiled program serves
     every layer of that kind: what a program costs to trace and compile does not grow with
     depth. Running layer by layer costs a dispatch per layer (`leyline_jax.paged`'s docstring
-    has the measurements). Make one with `Split.of(model)` and keep it while the params stay
-    as they are."""
+    has the measurements), so a model of at most `FUSED_LAYERS` layers runs as one program
+    (`fused`, `whole`). Make one with `Split.of(model)` and keep it while the params stay as
+    they are."""
 
     ends: tuple  # (graph, leaves) of `Ends`
     layers: tuple  # one (graph, leaves) per layer
@@ -167,6 +182,18 @@ class Split:
         graphs: dict = {}  # one _Graph per kind of layer
         layers = tuple(_Graph.split(layer, graphs) for layer in model.layers)
         return cls(_Graph.split(Ends(model), graphs), layers)
+
+    @property
+    def fused(self) -> bool:
+        """Whether a step runs as one program (`whole`) rather than layer by layer."""
+        return len(self.layers) <= FUSED_LAYERS
+
+    @property
+    def whole(self) -> tuple:
+        """(graphs, params) of the whole model, a program's first two arguments for
+        `merge_whole`."""
+        graphs = (self.ends[0], tuple(g for g, _ in self.layers))
+        return graphs, (self.ends[1], tuple(p for _, p in self.layers))
 
     def run(self, program, *args):
         """`program(graph, params, *args)` over the ends."""
@@ -193,7 +220,16 @@ def _layer_forward(graph, params, h, positions):
     return merge(graph, params)(h, positions)
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _whole_forward(graphs, params, tokens, positions):
+    ends, layers = merge_whole(graphs, params)
+    h = ends.embed_tokens(tokens)
+    for layer in layers:
+        h = layer(h, positions)
+    return ends.logits(ends.final_norm(h))
+
+
 def compile_counts() -> dict[str, int]:
     """How many shapes the embedding's and the full forward's programs have compiled."""
-    forward = _layer_forward._cache_size() + _logits._cache_size()
+    forward = _layer_forward._cache_size() + _logits._cache_size() + _whole_forward._cache_size()
     return {"embed": _embed._cache_size(), "forward": forward}

@@ -6,7 +6,8 @@ slots, copy-on-write pairs), pads it to a bucketed shape and runs the step, whic
 pools. Donation means the state passed in is consumed: keep using the returned one.
 
 The step runs layer by layer (`leyline_jax.model.Split`): the embedding's program, then one
-program per layer on that layer's pages, then the logits'. Layers of one kind share one
+program per layer on that layer's pages, then the logits' (a model of at most
+`leyline_jax.model.FUSED_LAYERS` layers runs as one program). Layers of one kind share one
 compiled program, so a step shape costs the same to trace and compile at 8, 30 or 60 layers
 (about 1.5-2 s at SmolLM2's width, against 3-4 s at 8 layers and 22-25 s at 60 for the whole
 step as one program; `python -m benchmarks.startup_bench`, BENCHMARKS.md). A scan over
@@ -18,7 +19,8 @@ The step is ragged: prefill chunks, decode tokens and directive fills of many se
 flattened batch of new tokens with per-row metadata (query offsets `cu_q_lens`, KV lengths,
 page-table rows), and attention (`pallas_kernels.ragged_paged_attention`) touches only each
 row's real pages, so a step's cost follows the sequences' real lengths. Compiled shapes depend
-on two buckets only (total new tokens, rows): the page-table rows are passed whole.
+on the bucket of total new tokens only (`step_shapes`; the rows follow from it): the page-table
+rows are passed whole.
 
 Attention is each family's (`attn.paged`, asked through the model's layers). MLA's form is
 absorbed (queries multiplied into the latent space; attention reads `c_kv` and `k_pe` in place
@@ -49,23 +51,47 @@ from leyline_jax.model import CausalLM, Split
 # Token buckets start at 1: a decode of B rows runs bucket(B) tokens, not a minimum bucket (at 16
 # a one-row decode of the bench config ran 16 tokens of matmuls and took twice as long)
 MIN_TOKEN_BUCKET = 1
-# Longer prefills run in chunks of this many tokens (bounds the [N, T, S] score buffer).
-PREFILL_CHUNK = 1024
 
 
-# ---- the model over a paged cache: one program per kind of layer ----------------------------
-@functools.partial(jax.jit, static_argnums=0, donate_argnames="pools")
-def _layer_step(graph, params, pools, h, cow_src, cow_dst, positions, slots, meta):
+def step_shapes(state: PagedKVState) -> list[tuple[int, int]]:
+    """Every (tokens, rows) shape a step over `state` can take, smallest first: the token
+    buckets (powers of two up to the state's `max_step_tokens`, which is the last) and, for
+    each, its rows: as many as its tokens, up to bucket(max_seqs). A step's shape follows
+    from its token count alone, so this list is the whole set a server compiles."""
+    top, out = state.max_step_tokens, []
+    for t in (1 << i for i in range((top - 1).bit_length() + 1)):
+        out.append((min(t, top), _row_bucket(state, min(t, top))))
+    return out
+
+
+def _token_bucket(state: PagedKVState, n: int) -> int:
+    return bucket(n, MIN_TOKEN_BUCKET, state.max_step_tokens)
+
+
+def _row_bucket(state: PagedKVState, tokens: int) -> int:
+    """The rows a step of `tokens` (a bucket) pads to: a step of n rows carries at least n
+    tokens, so this is never short, and only the token count picks a shape. The price: up to
+    bucket(max_seqs) rows of logits for a step of fewer (a prefill chunk of one row)."""
+    return min(tokens, bucket(state.max_seqs))
+
+
+# ---- the model over a paged cache: one program per kind of layer, or one in all ------------
+def _layer_body(layer, pools, h, cow_src, cow_dst, positions, slots, meta):
     """One decoder layer over a flattened batch of new tokens (`pools`: that layer's pages
     alone). Copy shared pages first (`cow_src` -> `cow_dst`, i32[K]; P drops), then the layer's
     `attn.paged` writes the new tokens' KV to `slots` (padding P*page_size writes nothing) and
     every row attends through its own pages to its own slots only (`meta`: kv_lens i32[B],
     page_indices i32[B, W], cu_q_lens i32[B+1], num_rows i32[1]); then the feed forward.
     Returns h [T, H] after the layer and the layer's pools."""
-    layer = models.merge(graph, params)
     pools = kv.copy_pages(pools, cow_src, cow_dst)
     out, pools = layer.attn.paged(layer.input_norm(h), positions, pools, 0, slots, meta)
     return layer.feed_forward(h + out), pools
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnames="pools")
+def _layer_step(graph, params, pools, h, *args):
+    """`_layer_body` of one layer as its own program (donates its pools)."""
+    return _layer_body(models.merge(graph, params), pools, h, *args)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -75,9 +101,26 @@ def _last_logits(graph, params, h, last):
     return ends.logits(ends.final_norm(h[last]))
 
 
+@functools.partial(jax.jit, static_argnums=0, donate_argnames="pools")
+def _whole_step(graphs, params, pools, cow_src, cow_dst, tokens, positions, slots, meta, last):
+    """The whole step as one program (`Split.fused`): embed, every layer, the logits."""
+    ends, layers = models.merge_whole(graphs, params)
+    h, moved, rotated = ends.embed_tokens(tokens), [], []
+    for i, layer in enumerate(layers):
+        h, one = _layer_body(layer, pools.layer(i), h, cow_src, cow_dst, positions, slots, meta)
+        moved.append(one.moved[0])
+        rotated.append(one.rotated[0])
+    return pools.with_bands(moved, rotated), ends.logits(ends.final_norm(h[last]))
+
+
 def _step(graph: Split, pools: kv.KVPools, cow_src, cow_dst, tokens, positions, slots, meta, last):
-    """The device step, layer by layer: embed, each layer's program on its own pages (donated
-    one layer at a time), logits. Returns the pools and float32 logits [B, vocab]."""
+    """The device step: one program for a shallow model, else layer by layer (embed, each
+    layer's program on its own pages, donated one layer at a time, logits). Returns the pools
+    and float32 logits [B, vocab]."""
+    if graph.fused:
+        return _whole_step(
+            *graph.whole, pools, cow_src, cow_dst, tokens, positions, slots, meta, last
+        )
     h = graph.embed(tokens)
     moved, rotated = [], []
     for i, layer in enumerate(graph.layers):
@@ -134,7 +177,8 @@ def _rows(state: PagedKVState, seqs, blocks, starts, slots, cow=((), ())) -> Row
     (pages already in `state`'s table), flattened in row order; `cow`: (pages, their copies)
     the step copies first."""
     n, counts = len(seqs), np.array([len(x) for x in blocks], np.int32)
-    rows = _padding(state, bucket(n), bucket(int(counts.sum()), MIN_TOKEN_BUCKET))
+    t = _token_bucket(state, int(counts.sum()))
+    rows = _padding(state, _row_bucket(state, t), t)
     cu = rows.cu_q_lens
     cu[1 : n + 1] = np.cumsum(counts)
     cu[n + 1 :] = cu[n]
@@ -171,42 +215,28 @@ def _append(model, state: PagedKVState, seqs, blocks, graph=None):
 
 def fill(model, state: PagedKVState, seq: int, start: int, tokens, graph=None, cow=None):
     """Run `tokens` at positions start.. of open `seq`, whose slots its page table already
-    holds (a directive's replacement after a splice, FORGET's re-prefill), in chunks of
-    `PREFILL_CHUNK`; each attends to the slots before it. `cow`: (page, its copy) to copy
-    first. Returns the state and float32 logits [vocab] after the last one. Checked by the
-    caller (`leyline_jax.allocator.plan_edit` placed the slots)."""
-    ps, logits = state.page_size, None
-    for a in range(0, len(tokens), PREFILL_CHUNK):
-        chunk = tokens[a : a + PREFILL_CHUNK]
+    holds (a directive's replacement after a splice, FORGET's re-prefill), in chunks of the
+    state's `max_step_tokens`; each attends to the slots before it. `cow`: (page, its copy)
+    to copy first. Returns the state. Checked by the caller (`leyline_jax.allocator.plan_edit`
+    placed the slots)."""
+    ps, most = state.page_size, state.max_step_tokens
+    for a in range(0, len(tokens), most):
+        chunk = tokens[a : a + most]
         pos = start + a + np.arange(len(chunk))
         slots = state.page_table[seq, pos // ps] * ps + pos % ps
         pair = ([cow[0]], [cow[1]]) if cow is not None and a == 0 else ((), ())
         rows = _rows(state, [seq], [chunk], [start + a], [slots], cow=pair)
-        state, logits = _run(model, state, rows, graph)
-    return state, logits[0]
+        state, _ = _run(model, state, rows, graph)
+    return state
 
 
-def precompile(
-    model: CausalLM, state: PagedKVState, max_rows: int, max_row_tokens: int, graph=None
-) -> tuple[PagedKVState, int]:
-    """Compile (and run once) the step for every shape a batch of at most `max_rows` rows of
-    at most `max_row_tokens` new tokens each can take: each row bucket with each token bucket
-    it can fill; and the page zeroing of a purge (`PagedKVState.zeroed`) up to a sequence's
-    pages. Each run is all padding (no row, every slot dropped): the pools come back unchanged.
-    Returns the state and how many shapes ran."""
-    p, w = state.num_pages, state.max_pages_per_seq
-    shapes = 0
-    for b in (1 << i for i in range(bucket(max_rows).bit_length())):
-        top = bucket(min(b, max_rows) * max_row_tokens, MIN_TOKEN_BUCKET)
-        for t in (1 << i for i in range(MIN_TOKEN_BUCKET.bit_length() - 1, top.bit_length())):
-            if t < bucket(b, MIN_TOKEN_BUCKET):
-                continue  # b rows hold at least b tokens
-            state, _ = _run(model, state, _padding(state, b, t), graph)
-            shapes += 1
-    for k in (1 << i for i in range(bucket(w).bit_length())):  # a purge's zeroing
-        state = state.zeroed(np.full(k, p, np.int32))  # every id "nowhere": changes nothing
-        shapes += 1
-    return state, shapes
+def precompile(model: CausalLM, state: PagedKVState, graph=None, shapes=None):
+    """Compile (and run once) the step for each of `shapes` (default: every one,
+    `step_shapes`), yielding the state after each. Each run is all padding (no row, every slot
+    dropped): the pools come back unchanged."""
+    for t, b in step_shapes(state) if shapes is None else shapes:
+        state, _ = _run(model, state, _padding(state, b, t), graph)
+        yield state
 
 
 # ---- public API -----------------------------------------------------------------------------
@@ -235,9 +265,9 @@ def prefill(
         )
     if is_new:
         state = allocator.open_seq(state, seq)
-    graph = Split.of(model)
-    for a in range(0, n, PREFILL_CHUNK):
-        state, logits = _append(model, state, [seq], [toks[a : a + PREFILL_CHUNK]], graph)
+    graph, most = Split.of(model), state.max_step_tokens
+    for a in range(0, n, most):
+        state, logits = _append(model, state, [seq], [toks[a : a + most]], graph)
     return state, logits[0]
 
 
@@ -251,18 +281,24 @@ def extend(
     padded: bool = False,
 ) -> tuple[PagedKVState, jax.Array]:
     """Append a block of tokens to each of several open sequences in one batched step (the
-    prefill half of continuous batching). Blocks may differ in length; each is at most
-    `PREFILL_CHUNK` tokens. Returns the new state and float32 logits [len(seqs), vocab] after
-    each block's last token. Raises like `decode`, before the state changes. Donates `state`.
-    `graph`: `Split.of(model)` made once by a caller that steps often (saves the split).
-    `padded`: return the step's logits as they are, [bucket(len(seqs)), vocab] (rows past
-    len(seqs) are padding), so a caller that samples on device meets no shape-dependent slice."""
+    prefill half of continuous batching). Blocks may differ in length; together they are at
+    most the state's `max_step_tokens` tokens. Returns the new state and float32 logits
+    [len(seqs), vocab] after each block's last token. Raises like `decode`, before the state
+    changes. Donates `state`. `graph`: `Split.of(model)` made once by a caller that steps
+    often (saves the split). `padded`: return the step's logits as they are, [rows of the
+    step's shape, vocab] (rows past len(seqs) are padding), so a caller that samples on device
+    meets no shape-dependent slice."""
     seqs = list(seqs)
     blocks = [check_tokens(t, model.config.vocab_size) for t in tokens]
     if len(seqs) != len(blocks) or not seqs:
         raise ValueError(f"{len(seqs)} sequences but {len(blocks)} token blocks")
-    if any(len(b) == 0 or len(b) > PREFILL_CHUNK for b in blocks):
-        raise ValueError(f"each block needs 1..{PREFILL_CHUNK} tokens")
+    if any(len(b) == 0 for b in blocks):
+        raise ValueError("each block needs at least one token")
+    if sum(map(len, blocks)) > state.max_step_tokens:
+        raise ValueError(
+            f"{sum(map(len, blocks))} tokens in one step; the state's max_step_tokens is "
+            f"{state.max_step_tokens}"
+        )
     allocator.check_appends(state, seqs, [len(b) for b in blocks])
     state, logits = _append(model, state, seqs, blocks, graph)
     return state, logits if padded else logits[: len(seqs)]
@@ -281,6 +317,10 @@ def decode(
     if len(seqs) != len(toks):
         raise ValueError(f"{len(seqs)} sequences but {len(toks)} tokens")
     allocator.check_appends(state, seqs, [1] * len(seqs))
+    if len(seqs) > state.max_step_tokens:
+        raise ValueError(
+            f"{len(seqs)} rows in one step; max_step_tokens is {state.max_step_tokens}"
+        )
     state, logits = _append(model, state, seqs, [toks[i : i + 1] for i in range(len(seqs))], graph)
     return state, logits[: len(seqs)]
 
@@ -356,7 +396,17 @@ def load_pages(
 def compile_counts() -> dict[str, int]:
     """How many shapes each jitted step has compiled (for tests and benchmarks)."""
     ends = _last_logits._cache_size() + models.compile_counts()["embed"]
-    return {"step": _layer_step._cache_size(), "ends": ends, "zero": kv.compile_counts()["zero"]}
+    step = _layer_step._cache_size() + _whole_step._cache_size()
+    return {"step": step, "ends": ends, "zero": kv.compile_counts()["zero"]}
 
 
-__all__ = ["compile_counts", "decode", "extend", "fill", "load_pages", "prefill", "read_pages"]
+__all__ = [
+    "compile_counts",
+    "decode",
+    "extend",
+    "fill",
+    "load_pages",
+    "prefill",
+    "read_pages",
+    "step_shapes",
+]

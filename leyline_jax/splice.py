@@ -128,10 +128,29 @@ def rotation_tables(config, length: int, impl=None) -> tuple[jax.Array, jax.Arra
     return inv, jax.jit(phase_table, static_argnums=1)(inv, length)
 
 
-def padded_runs(runs: Runs) -> Runs:
-    """`runs` padded to their bucket with runs of length 0 (they move nothing)."""
-    m = bucket(len(runs.src), MIN_MOVE_BUCKET)
+def padded_runs(runs: Runs, maximum: int | None = None) -> Runs:
+    """`runs` padded to their bucket (at most `maximum`) with runs of length 0 (they move
+    nothing)."""
+    m = bucket(len(runs.src), MIN_MOVE_BUCKET, maximum)
     return Runs(*(padded(a, m, 0) for a in runs))
+
+
+def _blocks(runs: Runs, size: int):
+    """`runs` in blocks of at most `size` runs, each padded (every run writes a fresh slot:
+    the blocks are independent)."""
+    for a in range(0, len(runs.src), size):
+        yield padded_runs(Runs(*(x[a : a + size] for x in runs)), size)
+
+
+def shapes(state: PagedKVState) -> list[tuple[str, int]]:
+    """Every shape an edit's device steps over `state` can take: ("move", runs) for the
+    splice, in blocks of at most the state's `max_step_tokens` runs, ("zero", pages) for an
+    edit's zeroing and ("purge", pages) for a purge's, in blocks of at most `ZERO_BLOCK`."""
+    top = bucket(state.max_step_tokens, MIN_MOVE_BUCKET, state.max_step_tokens)
+    moves = [bucket(1 << i, MIN_MOVE_BUCKET, top) for i in range((top - 1).bit_length() + 1)]
+    zeros = [1 << i for i in range(kv.ZERO_BLOCK.bit_length())]
+    out = [("move", m) for m in sorted(set(moves))]
+    return out + [(kind, k) for kind in ("zero", "purge") for k in zeros]
 
 
 def run_edit(
@@ -153,41 +172,42 @@ def run_edit(
     p, ps = state.num_pages, state.page_size
     pools, fills = state.pools, []
     if len(plan.dead) or len(plan.dead_slots):
-        dead = padded(plan.dead, bucket(max(len(plan.dead), 1)), p)
         slots = padded(plan.dead_slots, ps, p * ps)
-        pools = pools.by_layer(_zero_step, dead, slots)
+        for a in range(0, max(len(plan.dead), 1), kv.ZERO_BLOCK):
+            dead = plan.dead[a : a + kv.ZERO_BLOCK]
+            pools = pools.by_layer(_zero_step, padded(dead, bucket(max(len(dead), 1)), p), slots)
+            slots = padded([], ps, p * ps)  # once
     if spliced:
         moves = plan_splice(before, plan.old_row, plan.row, spliced, ps)
         tables = rotation_tables(model.config, state.max_seq_len, impl)
-        pools = splice_pools(pools, padded_runs(moves.runs), *tables, impl=impl)
+        for runs in _blocks(moves.runs, state.max_step_tokens):
+            pools = splice_pools(pools, runs, *tables, impl=impl)
         fills = moves.fills
     state = plan.state.replace(pools=pools)
     graph = Split.of(model)
     for start, toks in fills:
-        state, _ = paged.fill(model, state, seq, start, toks, graph)
+        state = paged.fill(model, state, seq, start, toks, graph)
     if len(tail):
         start = int(state.lengths[seq]) - len(tail)
-        state, _ = paged.fill(model, state, seq, start, list(tail), graph, cow=plan.cow)
+        state = paged.fill(model, state, seq, start, list(tail), graph, cow=plan.cow)
     return state
 
 
-def precompile(model, state: PagedKVState, *, impl=None) -> tuple[PagedKVState, int]:
-    """Compile (and run once, on padding that changes nothing) the splice steps for every
-    bucket one sequence's edit can meet: moves up to `max_seq_len` runs of slots, zeroing up
-    to a sequence's pages. Returns the state and how many shapes ran."""
+def precompile(model, state: PagedKVState, todo=None, *, impl=None):
+    """Compile (and run once, on padding that changes nothing) the edit's device steps for
+    each of `todo` (default: every one of `shapes`), yielding the state after each."""
     p, ps = state.num_pages, state.page_size
     tables = rotation_tables(model.config, state.max_seq_len, impl)
-    shapes = 0
-    top = bucket(state.max_seq_len, MIN_MOVE_BUCKET)
-    for m in (1 << i for i in range(MIN_MOVE_BUCKET.bit_length() - 1, top.bit_length())):
-        zeros = padded([], m, 0)  # every run is padding (length 0): nothing moves
-        pools = splice_pools(state.pools, Runs(*[zeros] * 5), *tables, impl=impl)
-        state, shapes = state.replace(pools=pools), shapes + 1
-    for k in (1 << i for i in range(bucket(state.max_pages_per_seq).bit_length())):
-        pages, slots = padded([], k, p), padded([], ps, p * ps)
-        pools = state.pools.by_layer(_zero_step, pages, slots)
-        state, shapes = state.replace(pools=pools), shapes + 1
-    return state, shapes
+    for kind, k in shapes(state) if todo is None else todo:
+        if kind == "move":  # every run is padding (length 0): nothing moves
+            zeros = padded([], k, 0)
+            pools = splice_pools(state.pools, Runs(*[zeros] * 5), *tables, impl=impl)
+        elif kind == "zero":
+            pools = state.pools.by_layer(_zero_step, padded([], k, p), padded([], ps, p * ps))
+        else:  # a purge's: every id "nowhere" changes nothing
+            pools = state.zeroed(np.full(k, p, np.int32)).pools
+        state = state.replace(pools=pools)
+        yield state
 
 
 def compile_counts() -> dict[str, int]:

@@ -39,6 +39,7 @@ LONGEST_FIRST = (
     "test_http.py",  # ~90 s (a server process too)
     "test_multidevice.py",  # ~90 s (its own 8-device process)
     "test_device_suite.py",  # ~50 s (the device suite's smoke, subprocesses)
+    "test_startup.py",  # ~55 s (SmolLM2 warmed up in a subprocess)
     "test_directives.py",
     "test_snapshot.py",
     "test_replay.py",

@@ -574,25 +574,60 @@ def test_turn_stats_serialise_whole(model):
     assert d["latency_s"] == r.stats.finished_s - r.stats.submitted_s >= d["ttft_s"]
 
 
+def _backend_compiles(into: list):
+    """A listener that appends the name of every program XLA compiles to `into`."""
+
+    def listen(event, seconds, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            into.append(kw.get("fun_name"))
+
+    return listen
+
+
 def test_warmup_compiles_every_shape_serving_meets(model):
     """After `warmup`, sessions of every size (a prompt longer than a chunk, decode beside
     prefill, up to max_seqs rows, an AMORTIZE splice and its fill, a FORGET's cut and purge)
-    compile nothing: no ragged step, directive step or sampling shape. The pool size is this
-    test's own, so no other test compiled these shapes."""
-    engine = make_engine(model, num_pages=77, max_seqs=4, max_seq_len=160, prefill_chunk=32)
-    assert engine.warmup() > 0
+    compile nothing: no ragged step, directive step or sampling shape, and no program at all
+    (every compile XLA reports is counted). The pool size is this test's own, so no other test
+    compiled these shapes; without the warmup the same work compiles: the count can fail."""
+    size = dict(num_pages=77, max_seqs=4, max_seq_len=160, prefill_chunk=32)
+    engine = make_engine(model, **size, max_num_batched_tokens=48)
+    assert engine.warmup() == len(engine.warmup_plan().names()) == 7 + 3 + 14
+    compiled: list = []
 
     def counts():
         return paged.compile_counts(), splice.compile_counts(), sample._cache_size()
 
+    def serve(engine):
+        rng = np.random.default_rng(21)
+        sids = [engine.open_session() for _ in range(4)]
+        for n, s in zip((100, 3, 17, 40), sids, strict=True):
+            engine.submit(s, rng.integers(0, 256, n).tolist(), sampling=SamplingParams(3))
+            engine.step()  # staggered arrivals: prefill chunks ride with decode rows
+        engine.run_until_idle()
+        engine.submit(sids[0], [1, 2], directives=[ll.Directive(5, 60, [4] * 9)]).result()
+        forget = ll.Directive(3, 9, (), ll.Mode.FORGET)
+        engine.submit(sids[2], [5], directives=[forget]).result()  # cut, purge, zeroing
+
     before = counts()
-    rng = np.random.default_rng(21)
-    sids = [engine.open_session() for _ in range(4)]
-    for n, s in zip((100, 3, 17, 40), sids, strict=True):
-        engine.submit(s, rng.integers(0, 256, n).tolist(), sampling=SamplingParams(3))
-        engine.step()  # staggered arrivals: prefill chunks ride with decode rows
-    engine.run_until_idle()
-    engine.submit(sids[0], [1, 2], directives=[ll.Directive(5, 60, [4] * 9)]).result()
-    forget = ll.Directive(3, 9, (), ll.Mode.FORGET)
-    engine.submit(sids[2], [5], directives=[forget]).result()  # cut, purge, zeroing
-    assert counts() == before
+    listen = _backend_compiles(compiled)
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        serve(engine)
+        assert counts() == before
+        assert compiled == []
+        serve(make_engine(model, **size, max_num_batched_tokens=40))  # shapes never compiled
+        assert compiled
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+
+
+def test_the_default_shape_set_is_bounded(model):
+    """The engine's default settings compile 30 shapes in all, whatever the pool's size: the
+    step's token buckets up to max_num_batched_tokens (512), the splice's blocks of runs up to
+    as many, and zeroing in blocks of up to 64 pages. A larger setting lists more."""
+    names = make_engine(model, num_pages=4096).warmup_plan().names()
+    assert len(names) == 10 + 6 + 2 * 7
+    assert names[0] == "step of 1 tokens, 1 rows" and "step of 512 tokens, 16 rows" in names
+    more = make_engine(model, num_pages=64, max_num_batched_tokens=2048).warmup_plan().names()
+    assert len(more) == len(names) + 4

@@ -323,6 +323,32 @@ def test_a_full_queue_answers_429_with_retry_after(server, client):
         worker.max_queue = limit
 
 
+def test_health_says_warming_while_it_serves(model, base_tokenizer):
+    """With a warmup to run (`--warmup`), the worker compiles one shape at a time between steps:
+    /health is 503 with Retry-After and the progress until the last shape is done, then 200;
+    a request meanwhile is served, not refused."""
+    size = {"num_pages": 40, "max_num_batched_tokens": 24, "prefill_chunk": 16}
+    engine = Engine(model, **ENGINE | size)
+    backend = Backend.for_engine(engine, base_tokenizer, MODEL)
+    backend.worker.warming = engine.warmup_plan()
+    total = backend.worker.warming.total
+    with ServerThread(backend) as srv:
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(srv.url + "/health")
+        assert e.value.code == 503 and e.value.headers["Retry-After"] == "5"
+        assert f"of {total} shapes compiled" in json.loads(e.value.read())["error"]["message"]
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+        r = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+        assert r.usage.completion_tokens == 2
+        deadline = time.monotonic() + 300
+        while backend.worker.warming is not None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        with urllib.request.urlopen(srv.url + "/health") as ok:
+            assert ok.status == 200
+
+
 def test_a_client_gone_mid_stream_frees_its_turn(server):
     wait_idle(server)
     worker = server.backend.worker

@@ -231,21 +231,20 @@ def test_compiles_once_per_bucket(np_ckpt):
             length = open_seqs.get(s, 0)
             if length + n > 500:
                 continue
-            prefill_keys.add((1, paged.bucket(n, paged.MIN_TOKEN_BUCKET)))
+            prefill_keys.add(paged.bucket(n, paged.MIN_TOKEN_BUCKET))
             state, _ = ll.prefill(model, state, s, random_tokens(n, seed=int(rng.integers(99))))
             open_seqs[s] = length + n
         else:
             batch = sorted(
                 rng.choice(list(open_seqs), size=min(3, len(open_seqs)), replace=False).tolist()
             )
-            rows = paged.bucket(len(batch))
-            decode_keys.add((rows, paged.bucket(len(batch), paged.MIN_TOKEN_BUCKET)))
+            decode_keys.add(paged.bucket(len(batch), paged.MIN_TOKEN_BUCKET))
             state, _ = ll.decode(model, state, batch, [1] * len(batch))
             for s in batch:
                 open_seqs[s] += 1
     after = paged.compile_counts()
-    # one layer program per (rows, tokens) bucket and kind of layer, whatever the sequences'
-    # lengths and however many layers
+    # one layer program per token bucket (the rows follow from it) and kind of layer, whatever
+    # the sequences' lengths and however many layers
     kinds = len({graph for graph, _ in Split.of(model).layers})
     assert after["step"] - before["step"] <= kinds * len(prefill_keys | decode_keys)
     # and a repeat of an already-seen shape compiles nothing
@@ -257,9 +256,10 @@ def test_compiles_once_per_bucket(np_ckpt):
 
 
 def test_a_step_traces_each_kind_of_layer_once(tmp_path, monkeypatch):
-    """One compiled program per kind of layer: a new step shape of a 6-layer model traces its
-    layer's attention once, not once per layer (what a step costs to trace and compile does
-    not grow with depth). The count can fail: with every layer its own program, six traces."""
+    """One compiled program per kind of layer: a new step shape of a 6-layer model (deeper than
+    `FUSED_LAYERS`: it runs layer by layer) traces its layer's attention once, not once per
+    layer (what a step costs to trace and compile does not grow with depth). The count can
+    fail: with every layer its own program, six traces."""
     from checkpoints.tiny import TINY_GQA_CONFIGS, write_random_checkpoint
     from leyline_jax import gqa
     from leyline_jax import model as models
@@ -275,11 +275,42 @@ def test_a_step_traces_each_kind_of_layer_once(tmp_path, monkeypatch):
         ll.prefill(model, state, 0, random_tokens(tokens))
         return len(traced)
 
+    assert not Split.of(model).fused
     assert traces(3) == 1
     monkeypatch.setattr(models._Graph, "__eq__", lambda a, b: a is b)  # each layer its own
     monkeypatch.setattr(models._Graph, "__hash__", lambda a: id(a))
     monkeypatch.setattr(models.Split, "of", _one_graph_per_layer)
     assert traces(7) == 6
+
+
+@pytest.mark.parametrize("name", ["deepseek_v2", "llama"])
+def test_one_program_and_layer_by_layer_agree(np_ckpt, monkeypatch, name):
+    """A shallow model's step as one program and the same step layer by layer (what a deeper
+    model runs) give the same logits and write the same KV: a prefill, a batched decode and
+    the full forward. The tolerance can fail: logits of another token differ by far more."""
+    from leyline_jax import model as models
+
+    model = ll.load_model(np_ckpt(name))
+
+    def run() -> tuple:
+        state = ll.init_state(
+            model.config, num_pages=16, page_size=4, max_seqs=2, kv_dtype=jnp.float32
+        )
+        state, a = ll.prefill(model, state, 0, random_tokens(11))
+        state, _ = ll.prefill(model, state, 1, random_tokens(5, seed=3))
+        state, b = ll.decode(model, state, [0, 1], [7, 8])
+        pools = [np.asarray(x, np.float64) for x in (*state.pools.moved, *state.pools.rotated)]
+        return [np.asarray(a), np.asarray(b), np.asarray(model(random_tokens(9)))], pools
+
+    assert Split.of(model).fused
+    one = run()
+    monkeypatch.setattr(models, "FUSED_LAYERS", 0)
+    assert not Split.of(model).fused
+    by_layer = run()
+    for x, y in zip(one[0] + one[1], by_layer[0] + by_layer[1], strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
+    with pytest.raises(AssertionError):
+        np.testing.assert_allclose(one[0][0], by_layer[0][1][0], rtol=1e-5, atol=1e-5)
 
 
 def _one_graph_per_layer(model):
@@ -292,15 +323,26 @@ def _one_graph_per_layer(model):
 
 
 def test_long_prefill_runs_in_chunks(np_ckpt):
-    """Prompts longer than PREFILL_CHUNK go through several jitted chunks; same logits."""
+    """Prompts longer than the state's max_step_tokens go through several steps of at most
+    that many tokens (no shape outside `step_shapes`); same logits."""
     model = ll.load_model(np_ckpt("glm4_moe_lite"))
-    tokens = random_tokens(paged.PREFILL_CHUNK + 300, seed=9)
+    tokens = random_tokens(3 * 48 + 30, seed=9)
     state = ll.init_state(
-        model.config, num_pages=100, page_size=16, max_seqs=1, kv_dtype=jnp.float32
+        model.config,
+        num_pages=100,
+        page_size=16,
+        max_seqs=1,
+        kv_dtype=jnp.float32,
+        max_step_tokens=48,
     )
+    assert [t for t, _ in paged.step_shapes(state)] == [1, 2, 4, 8, 16, 32, 48]
+    before = paged.compile_counts()["step"]
     state, logits = ll.prefill(model, state, 0, tokens)
     assert_logits_match(np.asarray(logits), np.asarray(model(tokens))[-1])
     assert ll.tokens(state, 0) == tokens.tolist()
+    assert paged.compile_counts()["step"] - before <= 2  # 48 and 32 tokens (bucket(30) = 32)
+    with pytest.raises(ValueError, match="49 tokens in one step; the state's max_step_tokens"):
+        paged.extend(model, state, [0], [list(range(49))])
 
 
 def test_bookkeeping_needs_no_device(np_ckpt):
@@ -335,20 +377,22 @@ def _unaliased_bytes(compiled) -> tuple[int, int]:
     return m.temp_size_in_bytes, m.output_size_in_bytes - m.alias_size_in_bytes
 
 
-def _step_bytes(model, num_pages: int, tokens: int) -> tuple[int, int]:
+def _step_bytes(model, num_pages: int, tokens: int, fused: bool) -> tuple[int, int]:
     """`_unaliased_bytes` of the ragged step for one row of `tokens` new tokens on a pool of
-    `num_pages` pages."""
+    `num_pages` pages: the whole step as one program (`fused`), or one layer's program."""
     state = ll.init_state(model.config, num_pages=num_pages, page_size=16, max_seqs=2)
     block = np.ones(tokens, np.int32)
     state, plan = allocator.append(allocator.open_seq(state, 0), [0], [block])
     rows = dataclasses.asdict(paged._rows(state, [0], [block], [0], plan.slots))
     meta = tuple(rows[k] for k in ("kv_lens", "page_indices", "cu_q_lens", "num_rows"))
     args = [rows[k] for k in ("cow_src", "cow_dst", "positions", "slots")]
+    graph = Split.of(model)
+    if fused:
+        args = [*args[:2], rows["tokens"], *args[2:], meta, rows["last"]]
+        return _unaliased_bytes(paged._whole_step.lower(*graph.whole, state.pools, *args).compile())
     h = jnp.zeros((len(rows["tokens"]), model.config.hidden_size), model.dtype)
-    layer = Split.of(model).layers[-1]
-    return _unaliased_bytes(
-        paged._layer_step.lower(*layer, state.pools.layer(0), h, *args, meta).compile()
-    )
+    lowered = paged._layer_step.lower(*graph.layers[-1], state.pools.layer(0), h, *args, meta)
+    return _unaliased_bytes(lowered.compile())
 
 
 def _splice_bytes(model, num_pages: int) -> tuple[int, int]:
@@ -374,7 +418,8 @@ def test_a_step_never_copies_a_pool(np_ckpt, monkeypatch, tokens):
     The same measure on a step whose attention is handed a copy of its layer's pages grows with
     the pool: it can fail."""
     model = ll.load_model(np_ckpt("deepseek_v3"))
-    assert _step_bytes(model, 64, tokens) == _step_bytes(model, 4096, tokens)
+    for fused in (True, False):  # a shallow model's one program; a deep model's layer program
+        assert _step_bytes(model, 64, tokens, fused) == _step_bytes(model, 4096, tokens, fused)
     assert _splice_bytes(model, 64) == _splice_bytes(model, 4096)
     from leyline_jax import mla
 
@@ -386,7 +431,8 @@ def test_a_step_never_copies_a_pool(np_ckpt, monkeypatch, tokens):
     paged._layer_step.clear_cache()  # no trace of the real attention may serve the patched lowering
     monkeypatch.setattr(mla, "ragged_paged_attention", on_a_copy)
     try:
-        (small, _), (big, _) = _step_bytes(model, 64, tokens), _step_bytes(model, 4096, tokens)
+        small, _ = _step_bytes(model, 64, tokens, False)
+        big, _ = _step_bytes(model, 4096, tokens, False)
     finally:
         paged._layer_step.clear_cache()  # nor the patched trace any later call
     assert big - small >= 4000 * 16 * model.config.kv_lora_rank * 2  # a bf16 layer pool, at least

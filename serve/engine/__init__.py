@@ -8,7 +8,8 @@ The imperative shell around the functional core, split by job (read in this orde
 - `pool`: the one owner of the paged KV state; `caches`: the radix prefix cache and the
   lineage rule; `sessions`: sessions, their sequence slots and pins;
 - `scheduler`: the queue, admission and making room; `runner`: the device work (a turn's edit,
-  the ragged step, sampling, SCRATCH, warmup).
+  the ragged step, sampling, SCRATCH, the warmup's shapes); `warmup`: compiling those shapes
+  one at a time, with progress.
 
 `Engine` only sequences them: `step()` is the scheduler's admissions, then the runner's one
 ragged step over every running turn's prefill chunk or decode token, then sampling.
@@ -39,6 +40,7 @@ from serve.engine.types import (
     TurnCancelled,
     TurnStats,
 )
+from serve.engine.warmup import Warmup
 from serve.sampling import SamplingParams, sample
 
 __all__ = [
@@ -247,14 +249,17 @@ class Engine:
 
     # ---- the loop ----------------------------------------------------------------------------
     def warmup(self) -> int:
-        """Compile every shape this engine's steps can take: the ragged step and sampling (row
-        buckets up to `max_seqs`, token buckets up to `prefill_chunk` tokens a row) and the
-        directive steps (splice moves up to `max_seq_len` slots, zeroing up to a sequence's
-        pages), each run once on padding that changes nothing, so serving compiles nothing
-        (an edit or purge larger than one sequence's pages compiles its bucket on first use).
-        Returns how many shapes ran. With the persistent compilation cache on
-        (`serve.compile_cache`), a later process loads them instead."""
-        return self.runner.warmup()
+        """Compile every shape this engine's steps can take (`warmup_plan`), logging progress;
+        how many there are. After it serving compiles nothing."""
+        return self.warmup_plan().run()
+
+    def warmup_plan(self) -> Warmup:
+        """The shapes to compile, one at a time (`serve.engine.warmup.Warmup`): each step
+        shape (token buckets up to `max_num_batched_tokens`, `leyline_jax.paged.step_shapes`)
+        with the sampling of its rows, and each edit shape (splice moves in blocks up to
+        `max_num_batched_tokens` runs, zeroing in blocks of pages: `leyline_jax.splice.shapes`),
+        each run once on padding that changes nothing."""
+        return Warmup(self.runner.warmup_plan())
 
     def idle(self) -> bool:
         return self.scheduler.idle()

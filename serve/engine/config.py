@@ -12,7 +12,6 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from leyline_jax.paged import PREFILL_CHUNK
 from serve.sampling import is_int
 
 DTYPES = {"bf16": jnp.bfloat16, "fp32": jnp.float32}  # the command line's names
@@ -27,7 +26,10 @@ class EngineConfig:
     or idle sessions holding KV) of at most `max_seq_len` tokens (None: the pool's capacity
     capped at the model's `max_position_embeddings`). `kv_dtype` stores the moved band (MLA
     `c_kv`, GQA V), `k_pe_dtype` the rotated one (None: float32, see `ll.init_state`).
-    `prefill_chunk`: the most prompt tokens one turn feeds per step. `radix`: keep the radix
+    `prefill_chunk`: the most prompt tokens one turn feeds per step;
+    `max_num_batched_tokens`: the most new tokens one step carries, all turns together (as
+    vLLM's setting of that name): the top of the step's token buckets, so it bounds the
+    shapes a server compiles (`leyline_jax.paged.step_shapes`). `radix`: keep the radix
     prefix cache. `move`: MOVE by default (a turn may say otherwise)."""
 
     num_pages: int = 512
@@ -37,18 +39,29 @@ class EngineConfig:
     kv_dtype: object = jnp.bfloat16
     k_pe_dtype: object = None
     prefill_chunk: int = 256
+    max_num_batched_tokens: int = 512
     radix: bool = True
     move: bool = False
 
     def __post_init__(self):
-        for name in ("num_pages", "page_size", "max_seqs", "prefill_chunk"):
+        for name in (
+            "num_pages",
+            "page_size",
+            "max_seqs",
+            "prefill_chunk",
+            "max_num_batched_tokens",
+        ):
             v = getattr(self, name)
             if not is_int(v) or v < 1:
                 raise ValueError(f"{name}={v!r} must be a positive integer")
         if self.max_seq_len is not None and (not is_int(self.max_seq_len) or self.max_seq_len < 1):
             raise ValueError(f"max_seq_len={self.max_seq_len!r} must be a positive integer")
-        if self.prefill_chunk > PREFILL_CHUNK:
-            raise ValueError(f"prefill_chunk must be in [1, {PREFILL_CHUNK}]")
+        for name in ("prefill_chunk", "max_seqs"):  # a step holds one turn's chunk; every row
+            if getattr(self, name) > self.max_num_batched_tokens:
+                raise ValueError(
+                    f"{name}={getattr(self, name)} must be at most "
+                    f"max_num_batched_tokens={self.max_num_batched_tokens}"
+                )
         for name in ("radix", "move"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool")
@@ -62,7 +75,9 @@ class EngineConfig:
     def state_args(self) -> dict:
         """The `leyline_jax.init_state` arguments of this pool."""
         keys = ("num_pages", "page_size", "max_seqs", "max_seq_len", "kv_dtype", "k_pe_dtype")
-        return {k: getattr(self, k) for k in keys}
+        return {k: getattr(self, k) for k in keys} | {
+            "max_step_tokens": self.max_num_batched_tokens
+        }
 
     # ---- the command line --------------------------------------------------------------------
     @staticmethod
@@ -76,6 +91,7 @@ class EngineConfig:
             "max_seq_len": "longest sequence (default: the pool, capped by the model)",
             "kv_dtype": "the moved band's storage: bf16 or fp32",
             "prefill_chunk": "most prompt tokens one turn feeds per step",
+            "max_num_batched_tokens": "most new tokens one step carries (bounds compiled shapes)",
         }
         default = EngineConfig()
         for name, text in helps.items():

@@ -6,14 +6,16 @@
   prefilling and the last token of each generating one: chunked prefill riding with decode),
   then one sampled token for each turn whose prompt is done; turns that hit a stop token or
   their budget finish (SCRATCH spans are spliced out of their sessions then).
-- `warmup`: every shape those steps can take, compiled up front.
+- `warmup_plan`: every shape those steps can take, to compile up front.
 
 The sampled tokens are the only thing a step reads back from the device.
 """
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -170,14 +172,10 @@ class Runner:
     def step(self) -> None:
         """One ragged step for every running turn; a token for each turn whose prompt is done
         and each generating turn."""
-        rows = self.running()
+        rows, blocks = self._batch(self.running())
         if not rows:
             return
-        chunk = self.config.prefill_chunk
         prefill = [r.status is Status.PREFILL for r in rows]
-        blocks = [
-            r.pending[:chunk] if p else [r.output[-1]] for r, p in zip(rows, prefill, strict=True)
-        ]
         logits = self.pool.extend([r.session.seq for r in rows], blocks)
         emit = []
         for i, (r, b, p) in enumerate(zip(rows, blocks, prefill, strict=True)):
@@ -196,6 +194,24 @@ class Runner:
                 emit.append(i)
         if emit:
             self._emit(rows, emit, logits)
+
+    def _batch(self, running: list[Request]) -> tuple[list[Request], list[list[int]]]:
+        """The step's rows and their blocks: every generating turn's last token, then each
+        prefilling turn's next chunk (at most `prefill_chunk`) while the step holds fewer than
+        `max_num_batched_tokens` tokens; a turn left out runs in a later step."""
+        budget = self.config.max_num_batched_tokens
+        budget -= sum(r.status is not Status.PREFILL for r in running)
+        rows, blocks = [], []
+        for r in running:
+            if r.status is not Status.PREFILL:
+                block = [r.output[-1]]
+            else:
+                block = r.pending[: min(self.config.prefill_chunk, budget)]
+                budget -= len(block)
+            if block:
+                rows.append(r)
+                blocks.append(block)
+        return rows, blocks
 
     def _emit(self, rows: list[Request], emit: list[int], logits) -> None:
         """Sample a token for rows[i], i in `emit`, and finish the turns that are done.
@@ -234,16 +250,31 @@ class Runner:
             self._drop_scratch(r)
         r.stats.finished(now)
 
-    def warmup(self) -> int:
-        """Compile every shape the steps can take (see `Engine.warmup`); how many ran."""
-        pool, state = self.pool, self.pool.state
-        state, shapes = paged.precompile(
-            pool.model, state, state.max_seqs, self.config.prefill_chunk, graph=pool.graph
-        )
-        pool.state, runs = splice.precompile(pool.model, state)
-        vocab = pool.model.config.vocab_size
-        for b in (1 << i for i in range(paged.bucket(state.max_seqs).bit_length())):
-            f32, seed = jnp.zeros(b, jnp.float32), jnp.zeros(b, jnp.uint32)
-            logits = jnp.zeros((b, vocab), jnp.float32)
-            jax.block_until_ready(sample(logits, f32, f32 + 1, seed, jnp.zeros(b, jnp.int32)))
-        return shapes + runs + paged.bucket(state.max_seqs).bit_length()
+    def warmup_plan(self) -> list[tuple[str, Callable[[], None]]]:
+        """Every shape the steps can take, smallest first, as (what, compile it) pairs for
+        `serve.engine.warmup.Warmup`: each step shape (`leyline_jax.paged.step_shapes`) with
+        the sampling of its rows, then each edit shape (`leyline_jax.splice.shapes`)."""
+        state = self.pool.state
+        steps = [
+            (f"step of {t} tokens, {b} rows", functools.partial(self._warm_step, t, b))
+            for t, b in paged.step_shapes(state)
+        ]
+        edits = [
+            (f"{kind} of {k}", functools.partial(self._warm_edit, kind, k))
+            for kind, k in splice.shapes(state)
+        ]
+        return steps + edits
+
+    def _warm_step(self, tokens: int, rows: int) -> None:
+        pool = self.pool
+        *_, pool.state = paged.precompile(pool.model, pool.state, pool.graph, [(tokens, rows)])
+        # the sampling columns made as `_emit` makes them (a host array's upload compiles too)
+        cols = [
+            jnp.asarray(np.ones(rows, t)) for t in (np.float32, np.float32, np.uint32, np.int32)
+        ]
+        logits = jnp.zeros((rows, pool.model.config.vocab_size), jnp.float32)
+        jax.block_until_ready(sample(logits, *cols))
+
+    def _warm_edit(self, kind: str, size: int) -> None:
+        pool = self.pool
+        *_, pool.state = splice.precompile(pool.model, pool.state, [(kind, size)])

@@ -39,6 +39,11 @@ def add_routes(app, backend) -> None:
         if not worker.alive:
             why = "the engine is not running"
             return APIError(503, why, None, "server_error", headers={"Retry-After": "5"}).response()
+        warming = worker.warming  # None once every shape is compiled
+        if warming is not None:
+            st = warming.status()
+            why = f"warming up: {st['compiled']} of {st['total']} shapes compiled"
+            return APIError(503, why, None, "server_error", headers={"Retry-After": "5"}).response()
         return {"status": "ok"}
 
     @app.get("/metrics")

@@ -79,8 +79,9 @@ def load_backend(
 ) -> Backend:
     """Load a model ("tiny": the embedded default, written under `root`; "smollm2"; a
     checkpoint directory or .gguf file), its tokenizer and an engine of `config` (not
-    started). `mesh`: "DATAxMODEL" (e.g. "2x4") to serve over that device mesh (None: one
-    device). `kw`: `Backend` fields."""
+    started). `warmup`: the worker compiles every shape first (`Engine.warmup_plan`), one
+    between steps while idle, serving meanwhile. `mesh`: "DATAxMODEL" (e.g. "2x4") to serve
+    over that device mesh (None: one device). `kw`: `Backend` fields."""
     import leyline_jax as ll
 
     if model == "tiny":
@@ -94,7 +95,8 @@ def load_backend(
     grid = None if mesh is None else parse_mesh(mesh)
     m = ll.load_model(path, mesh=grid)  # each param placed on its shards as it is read
     engine = Engine(m, config, mesh=grid)
-    if warmup:
-        engine.warmup()
     served = name or (model if model in ("tiny", "smollm2") else Path(path).name)
-    return Backend.for_engine(engine, tokenizer, served, max_queue=max_queue, **kw)
+    backend = Backend.for_engine(engine, tokenizer, served, max_queue=max_queue, **kw)
+    if warmup:  # compiled by the worker while it serves; /health says 503 until it is done
+        backend.worker.warming = engine.warmup_plan()
+    return backend

@@ -3,7 +3,8 @@ of this process, for tests and benchmarks).
 
     python -m serve.http --model PATH|tiny|smollm2 [--port 8000] [--host 127.0.0.1]
         [--num-pages N] [--page-size N] [--max-seqs N] [--kv-dtype bf16|fp32] ...
-        [--max-queue 64] [--warmup] [--compile-cache DIR|off] [--snapshot-dir DIR]
+        [--max-queue 64] [--warmup] [--list-shapes] [--compile-cache DIR|off]
+        [--snapshot-dir DIR]
 
 The engine's flags and their defaults are `serve.engine.EngineConfig`'s.
 """
@@ -100,7 +101,14 @@ def parser() -> argparse.ArgumentParser:
         help="a chat completion's budget when the request sets none",
     )
     ap.add_argument("--request-timeout", type=float, default=600.0)
-    ap.add_argument("--warmup", action="store_true", help="compile every step shape first")
+    ap.add_argument(
+        "--warmup",
+        action="store_true",
+        help="compile every shape first, serving meanwhile (/health: 503 until done)",
+    )
+    ap.add_argument(
+        "--list-shapes", action="store_true", help="print the shapes --warmup compiles and exit"
+    )
     ap.add_argument("--mesh", default=None, help="a DATAxMODEL device mesh, e.g. 2x4")
     ap.add_argument(
         "--snapshot-dir",
@@ -130,6 +138,13 @@ def main(argv=None) -> None:
         request_timeout_s=args.request_timeout,
         snapshot_dir=args.snapshot_dir,
     )
+    if args.list_shapes:
+        names = backend.worker.engine.warmup_plan().names()
+        print(f"{len(names)} shapes:", *names, sep="\n  ")
+        return
+    if backend.worker.warming is not None:
+        names = backend.worker.warming.names()
+        log.info("warmup: %d shapes to compile: %s", len(names), "; ".join(names))
     import uvicorn
 
     app = build_app(backend)

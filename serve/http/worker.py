@@ -123,6 +123,7 @@ class EngineWorker:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.error: BaseException | None = None
+        self.warming = None  # shapes to compile (`Engine.warmup_plan`), one at a time when idle
         self.thread = threading.Thread(target=self._run, name="leyline-engine", daemon=True)
 
     # -- called from the HTTP side ------------------------------------------------------------
@@ -166,7 +167,7 @@ class EngineWorker:
         eng = self.engine
         while not self._stop.is_set():
             try:
-                block = eng.idle() and not self.jobs
+                block = eng.idle() and not self.jobs and self.warming is None
                 cmd = self.commands.get(timeout=0.5) if block else self.commands.get_nowait()
                 self._handle(cmd)
                 while True:
@@ -178,6 +179,8 @@ class EngineWorker:
                     t0 = time.perf_counter()
                     eng.step()
                     self.metrics.step.observe(time.perf_counter() - t0)
+                elif self.warming is not None:
+                    self._warm()
                 self._publish()
             except Exception as e:  # an engine bug: fail what is in flight, keep serving
                 log.exception("engine step failed")
@@ -189,6 +192,15 @@ class EngineWorker:
                 self._handle(self.commands.get_nowait())
             except queue.Empty:
                 break
+
+    def _warm(self) -> None:
+        try:  # a shape that fails ends the warmup: serving compiles the shapes it meets
+            self.warming.step()
+        except Exception:
+            log.exception("warmup failed")
+            self.warming = None
+        if self.warming is not None and self.warming.finished:
+            self.warming = None
 
     def _fail_all(self, error: Exception) -> None:
         for job in list(self.jobs):
