@@ -349,10 +349,18 @@ class ChatTokenizer:
     @classmethod
     def from_gguf(cls, path: str | os.PathLike | None = None) -> ChatTokenizer:
         """The GGUF file's tokenizer (`leyline_jax.gguf.gguf_tokenizer`: built by transformers,
-        a few seconds) with ChatML; `path` None: the SmolLM2-135M-Instruct file."""
-        from leyline_jax import gguf
+        about 7 s; kept by `serve.compile_cache.kept` when the cache is on) with ChatML; `path`
+        None: the SmolLM2-135M-Instruct file."""
+        from tokenizers import Tokenizer
 
-        return cls.from_tokenizer(gguf.gguf_tokenizer(path or gguf.smollm2_path()), CHATML)
+        from leyline_jax import gguf
+        from serve import compile_cache
+
+        path = path or gguf.smollm2_path()
+        f = Path(path).resolve()
+        key = f"gguf tokenizer of {f} ({f.stat().st_size} bytes, {f.stat().st_mtime_ns})"
+        text = compile_cache.kept(key, lambda: gguf.gguf_tokenizer(path).to_str())
+        return cls.from_tokenizer(Tokenizer.from_str(text), CHATML)
 
     @classmethod
     def from_tokenizer(cls, backend, format: ChatFormat) -> ChatTokenizer:  # noqa: A002

@@ -199,6 +199,26 @@ def test_from_gguf_is_the_files_tokenizer_with_chatml(smollm2, reference, monkey
     assert model_path("smollm2") == str(smollm2) and model_path("some/dir") == "some/dir"
 
 
+def test_a_kept_gguf_tokenizer_is_read_back(smollm2, reference, monkeypatch, tmp_path):
+    """With the compile cache on, the GGUF tokenizer transformers built once is read back by a
+    later start (no second build), and encodes as transformers' does; with it off, each call
+    builds it."""
+    from leyline_jax import gguf
+    from serve import compile_cache
+
+    seen = []
+    monkeypatch.setattr(
+        gguf, "gguf_tokenizer", lambda p: seen.append(p) or reference.backend_tokenizer
+    )
+    monkeypatch.setattr(compile_cache, "_text_dir", tmp_path)
+    a, b = ChatTokenizer.from_gguf(smollm2), ChatTokenizer.from_gguf(smollm2)
+    text = "Kept tokenizers read back: 3 colours."
+    assert len(seen) == 1 and a.encode(text) == b.encode(text) == reference(text).input_ids
+    monkeypatch.setattr(compile_cache, "_text_dir", None)
+    ChatTokenizer.from_gguf(smollm2)
+    assert len(seen) == 2
+
+
 def test_tokenizer_for_defaults_to_deepseek(tmp_path):
     assert tokenizer_for(None).format is DEEPSEEK
     assert tokenizer_for(str(tmp_path)).format is DEEPSEEK  # a checkpoint directory

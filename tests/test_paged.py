@@ -283,14 +283,13 @@ def test_a_step_traces_each_kind_of_layer_once(tmp_path, monkeypatch):
     assert traces(7) == 6
 
 
-@pytest.mark.parametrize("name", ["deepseek_v2", "llama"])
-def test_one_program_and_layer_by_layer_agree(np_ckpt, monkeypatch, name):
+def test_one_program_and_layer_by_layer_agree(np_ckpt, monkeypatch):
     """A shallow model's step as one program and the same step layer by layer (what a deeper
     model runs) give the same logits and write the same KV: a prefill, a batched decode and
     the full forward. The tolerance can fail: logits of another token differ by far more."""
     from leyline_jax import model as models
 
-    model = ll.load_model(np_ckpt(name))
+    model = ll.load_model(np_ckpt("deepseek_v2"))  # a dense layer, then MoE layers: two kinds
 
     def run() -> tuple:
         state = ll.init_state(
