@@ -39,27 +39,28 @@ DECODERS = (*FAMILIES, "llama")  # one tiny model per family, both attention fam
 
 
 # `make test` runs two workers, a test file to each at a time (pytest-xdist, loadfile), handing
-# files out in collection order: the longest files first (serial seconds measured on this
-# machine, 2026-12-02) so that the two workers finish together rather than one running the last
-# long file alone. Order only: every test runs, each file's tests in their own order.
+# files out in collection order: the longest files first (seconds measured on this machine in a
+# two-worker run, 2026-12-04) so that the two workers finish together rather than one running
+# the last long file alone. Order only: every test runs, each file's tests in their own order.
 LONGEST_FIRST = (
-    "test_engine.py",  # ~250 s
-    "test_paged.py",  # ~215 s
-    "test_cli.py",  # ~115 s (subprocesses; SmolLM2)
-    "test_http.py",  # ~90 s (a server process too)
-    "test_multidevice.py",  # ~90 s (its own 8-device process)
-    "test_device_suite.py",  # ~50 s (the device suite's smoke, subprocesses)
-    "test_startup.py",  # ~55 s (SmolLM2 warmed up in a subprocess)
-    "test_directives.py",
-    "test_snapshot.py",
-    "test_replay.py",
-    "test_engine_fuzz.py",
-    "test_http_fuzz.py",
-    "test_ragged_paged_attention.py",
-    "test_gguf.py",
-    "test_hardening.py",
-    "test_smollm2.py",
-    "test_parity.py",
+    "test_directives.py",  # ~175 s
+    "test_paged.py",  # ~165 s
+    "test_engine.py",  # ~140 s
+    "test_http.py",  # ~95 s (a server process too)
+    "test_startup.py",  # ~75 s (SmolLM2 warmed up in a subprocess)
+    "test_multidevice.py",  # ~70 s (its own 8-device process)
+    "test_cli.py",  # ~65 s (subprocesses; SmolLM2)
+    "test_snapshot.py",  # ~55 s
+    "test_ragged_paged_attention.py",  # ~55 s
+    "test_replay.py",  # ~55 s
+    "test_hardening.py",  # ~45 s
+    "test_http_fuzz.py",  # ~40 s
+    "test_device_suite.py",  # ~40 s (the device suite's smoke, subprocesses)
+    "test_gguf.py",  # ~40 s
+    "test_smollm2.py",  # ~35 s
+    "test_parity.py",  # ~35 s
+    "test_splice_rotate.py",  # ~25 s
+    "test_engine_verbs.py",  # ~25 s
 )
 
 
