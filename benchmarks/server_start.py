@@ -13,7 +13,6 @@ in fresh processes, each timed from launch.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -84,11 +83,10 @@ def first_token(port: int) -> dict:
 
 
 def main(argv=None) -> None:
-    import argparse
+    from benchmarks import harness
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--root", default=".", help="the checkout to start (default: this one)")
-    ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
     out: dict = {}
     with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as empty:
@@ -106,9 +104,7 @@ def main(argv=None) -> None:
         stop(run.pop("proc"))
         out["first_token"] = run
         print("first_token", run, flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=2)
+    harness.save_json(args.out, out)
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ def main() -> None:
         return
     from benchmarks import harness
 
-    ap = harness.parser(__doc__, out="write the results as JSON here")
+    ap = harness.parser(__doc__)
     ap.add_argument("--depths", default=",".join(map(str, DEPTHS)))
     ap.add_argument("--root", default=".", help="the checkout whose code is measured")
     args = ap.parse_args()
