@@ -5,29 +5,19 @@ read), so a bad call raises before anything changes; then the host plans the ste
 slots, copy-on-write pairs), pads it to a bucketed shape and runs the step, which donates the
 pools. Donation means the state passed in is consumed: keep using the returned one.
 
-The step runs layer by layer (`leyline_jax.model.Split`): the embedding's program, then one
-program per layer on that layer's pages, then the logits' (a model of at most
-`leyline_jax.model.FUSED_LAYERS` layers runs as one program). Layers of one kind share one
-compiled program, so a step shape costs the same to trace and compile at 8, 30 or 60 layers
-(about 1.5-2 s at SmolLM2's width, against 3-4 s at 8 layers and 22-25 s at 60 for the whole
-step as one program; `python -m benchmarks.startup_bench`, BENCHMARKS.md). A scan over
-stacked layers (one program too) was measured first and set aside: XLA:CPU copies each
-layer's weights out of the stack inside the loop, which made a weight-bound step 1.5-1.9x
-slower.
+The step runs layer by layer (`leyline_jax.model.Split`): the embedding's program, one program
+per layer on that layer's pages (layers of one kind share one compiled program, so a step
+shape costs the same to compile at 8, 30 or 60 layers), the logits'; a model of at most
+`model.FUSED_LAYERS` layers runs as one program. Why not a scan over stacked layers, and the
+measurements: BENCHMARKS.md, "Startup".
 
 The step is ragged: prefill chunks, decode tokens and directive fills of many sequences are one
 flattened batch of new tokens with per-row metadata (query offsets `cu_q_lens`, KV lengths,
 page-table rows), and attention (`pallas_kernels.ragged_paged_attention`) touches only each
 row's real pages, so a step's cost follows the sequences' real lengths. Compiled shapes depend
 on the bucket of total new tokens only (`step_shapes`; the rows follow from it): the page-table
-rows are passed whole.
-
-Attention is each family's (`attn.paged`, asked through the model's layers). MLA's form is
-absorbed (queries multiplied into the latent space; attention reads `c_kv` and `k_pe` in place
-and never materialises per-head K/V). Against the expanded form (K_nope and V per head from the
-gathered latent: S·R·N·(Dn+Dv) to expand plus T·S·N·(Dn+Dr+Dv) to attend) it costs
-T·S·N·(2R+Dr): cheaper for decode and short chunks, up to ~2.4x dearer in flops for 1024-token
-chunks at DeepSeek shapes; one form keeps one kernel.
+rows are passed whole. Attention is each family's (`attn.paged`); MLA's is absorbed (queries
+multiplied into the latent space, `c_kv` and `k_pe` read in place: `leyline_jax.mla`).
 """
 
 from __future__ import annotations
@@ -58,14 +48,9 @@ def step_shapes(state: PagedKVState) -> list[tuple[int, int]]:
     buckets (powers of two up to the state's `max_step_tokens`, which is the last) and, for
     each, its rows: as many as its tokens, up to bucket(max_seqs). A step's shape follows
     from its token count alone, so this list is the whole set a server compiles."""
-    top, out = state.max_step_tokens, []
-    for t in (1 << i for i in range((top - 1).bit_length() + 1)):
-        out.append((min(t, top), _row_bucket(state, min(t, top))))
-    return out
-
-
-def _token_bucket(state: PagedKVState, n: int) -> int:
-    return bucket(n, MIN_TOKEN_BUCKET, state.max_step_tokens)
+    top = state.max_step_tokens
+    tokens = [min(1 << i, top) for i in range((top - 1).bit_length() + 1)]
+    return [(t, _row_bucket(state, t)) for t in tokens]
 
 
 def _row_bucket(state: PagedKVState, tokens: int) -> int:
@@ -177,7 +162,7 @@ def _rows(state: PagedKVState, seqs, blocks, starts, slots, cow=((), ())) -> Row
     (pages already in `state`'s table), flattened in row order; `cow`: (pages, their copies)
     the step copies first."""
     n, counts = len(seqs), np.array([len(x) for x in blocks], np.int32)
-    t = _token_bucket(state, int(counts.sum()))
+    t = bucket(int(counts.sum()), MIN_TOKEN_BUCKET, state.max_step_tokens)
     rows = _padding(state, _row_bucket(state, t), t)
     cu = rows.cu_q_lens
     cu[1 : n + 1] = np.cumsum(counts)
