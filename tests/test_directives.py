@@ -60,18 +60,20 @@ def test_amortize_same_tokens_is_identity(name, page_size, np_ckpt):
 
 
 def test_long_replacement_fills_in_chunks(np_ckpt):
-    """A replacement longer than one prefill chunk (1024) is filled chunk by chunk; with nothing
-    downstream, AMORTIZE then equals a fresh prefill of the edited list."""
+    """A replacement longer than one step (the state's max_step_tokens, 128 here) is filled
+    step by step; with nothing downstream, AMORTIZE then equals a fresh prefill of the edited
+    list."""
     model = ll.load_model(np_ckpt("deepseek_v3"))
     toks = random_tokens(40, seed=4).tolist()
-    rep = random_tokens(1100, seed=5).tolist()
+    rep = random_tokens(300, seed=5).tolist()
     state = ll.init_state(
         model.config,
-        num_pages=160,
+        num_pages=40,
         page_size=16,
         max_seqs=1,
         kv_dtype=jnp.float32,
-        max_seq_len=2048,
+        max_seq_len=512,
+        max_step_tokens=128,
     )
     state, _ = ll.prefill(model, state, 0, toks)
     state = ll.apply_directive(model, state, 0, ll.Directive(20, 40, rep))

@@ -18,9 +18,11 @@ SCRIPT = """
 import json, re, sys
 import jax
 from flax import nnx
+from serve import compile_cache
 from serve.engine import EngineConfig
 from serve.http.backend import load_backend
 
+compile_cache.enable(sys.argv[3])  # on, as the server's command line has it by default
 backend = load_backend("smollm2", EngineConfig(num_pages=int(sys.argv[1])))
 engine = backend.worker.engine
 shapes = engine.warmup() if sys.argv[2] == "warmup" else 0
@@ -31,8 +33,8 @@ print(json.dumps(dict(shapes=shapes, params=params, pools=pools, peak=peak)))
 """
 
 
-def _measure(num_pages: int, warmup: bool) -> dict:
-    args = [sys.executable, "-c", SCRIPT, str(num_pages), "warmup" if warmup else "no"]
+def _measure(num_pages: int, warmup: bool, cache) -> dict:
+    args = [sys.executable, "-c", SCRIPT, str(num_pages), "warmup" if warmup else "no", str(cache)]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # as a user runs it
     out = subprocess.run(args, capture_output=True, text=True, timeout=900, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -40,15 +42,15 @@ def _measure(num_pages: int, warmup: bool) -> dict:
 
 
 @pytest.mark.usefixtures("smollm2_file")
-def test_smollm2_after_warmup_fits_its_memory_bound():
+def test_smollm2_after_warmup_fits_its_memory_bound(tmp_path):
     """After warming up every shape (30 at the defaults), the process's peak resident memory is
     at most 2.5 GB, and at most params + KV pools + OVERHEAD. The measure can fail: the same
     process with a pool of 8192 pages (~4.5 GB of KV), not even warmed up, is past 2.5 GB, and
     still within params + pools + OVERHEAD (it follows what the process holds)."""
-    r = _measure(512, warmup=True)
+    r = _measure(512, warmup=True, cache=tmp_path)  # an empty cache: a cold start
     assert r["shapes"] == 30
     assert r["peak"] <= 2.5e9, r
     assert r["peak"] <= r["params"] + r["pools"] + OVERHEAD, r
-    big = _measure(8192, warmup=False)
+    big = _measure(8192, warmup=False, cache=tmp_path)
     assert big["peak"] > 2.5e9, big
     assert big["peak"] <= big["params"] + big["pools"] + OVERHEAD, big
