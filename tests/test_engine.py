@@ -589,7 +589,8 @@ def test_warmup_compiles_every_shape_serving_meets(model):
     prefill, up to max_seqs rows, an AMORTIZE splice and its fill, a FORGET's cut and purge)
     compile nothing: no ragged step, directive step or sampling shape, and no program at all
     (every compile XLA reports is counted). The pool size is this test's own, so no other test
-    compiled these shapes; without the warmup the same work compiles: the count can fail."""
+    compiled these shapes; a turn on an engine not warmed up (another pool) compiles: the count
+    can fail."""
     size = dict(num_pages=77, max_seqs=4, max_seq_len=160, prefill_chunk=32)
     engine = make_engine(model, **size, max_num_batched_tokens=48)
     assert engine.warmup() == len(engine.warmup_plan().names()) == 7 + 3 + 14
@@ -616,7 +617,8 @@ def test_warmup_compiles_every_shape_serving_meets(model):
         serve(engine)
         assert counts() == before
         assert compiled == []
-        serve(make_engine(model, **size, max_num_batched_tokens=40))  # shapes never compiled
+        cold = make_engine(model, **size | {"num_pages": 78}, max_num_batched_tokens=48)
+        cold.submit(cold.open_session(), [1, 2, 3], sampling=SamplingParams(2)).result()
         assert compiled
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
