@@ -11,7 +11,7 @@ import sys
 import pytest
 
 # What a process holds beyond the params and the KV pools after warmup, at most: the Python and
-# JAX runtime, the tokenizer, the compiled programs, XLA's buffers (measured 1.06 GB: BENCHMARKS.md)
+# JAX runtime, the tokenizer, the compiled programs, XLA's buffers (measured 1.03 GB: BENCHMARKS.md)
 OVERHEAD = 1.3e9
 
 SCRIPT = """
