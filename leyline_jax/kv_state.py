@@ -59,6 +59,12 @@ def bucket(n: int, minimum: int = 1, maximum: int | None = None) -> int:
     return b if maximum is None else min(b, maximum)
 
 
+def ladder(top: int, minimum: int = 1) -> list[int]:
+    """Every bucket from `minimum` up to `top`, smallest first: `bucket(n, minimum, top)` for
+    n in [1, top] (powers of two, and `top` itself last)."""
+    return sorted({bucket(1 << i, minimum, top) for i in range((top - 1).bit_length() + 1)})
+
+
 def padded(ids, size: int, fill: int) -> jax.Array:
     """i32[size] on the device: `ids`, then `fill` (the padding a bucketed step drops)."""
     out = np.full(size, fill, np.int32)

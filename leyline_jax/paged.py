@@ -48,9 +48,7 @@ def step_shapes(state: PagedKVState) -> list[tuple[int, int]]:
     buckets (powers of two up to the state's `max_step_tokens`, which is the last) and, for
     each, its rows: as many as its tokens, up to bucket(max_seqs). A step's shape follows
     from its token count alone, so this list is the whole set a server compiles."""
-    top = state.max_step_tokens
-    tokens = [min(1 << i, top) for i in range((top - 1).bit_length() + 1)]
-    return [(t, _row_bucket(state, t)) for t in tokens]
+    return [(t, _row_bucket(state, t)) for t in kv.ladder(state.max_step_tokens)]
 
 
 def _row_bucket(state: PagedKVState, tokens: int) -> int:
@@ -191,7 +189,12 @@ def _run(model, state: PagedKVState, rows: Rows, graph: Split | None = None):
 
 
 def _append(model, state: PagedKVState, seqs, blocks, graph=None):
-    """Append blocks[i] to open, distinct seqs[i] (checked) and run them in one step."""
+    """Append blocks[i] to open, distinct seqs[i] (checked) and run them in one step of at
+    most the state's `max_step_tokens` (checked here, before anything changes)."""
+    if (n := sum(map(len, blocks))) > state.max_step_tokens:
+        raise ValueError(
+            f"{n} tokens in one step; the state's max_step_tokens is {state.max_step_tokens}"
+        )
     starts = [int(state.lengths[q]) for q in seqs]
     state, plan = allocator.append(state, seqs, blocks)
     rows = _rows(state, seqs, blocks, starts, plan.slots, cow=(plan.cow_src, plan.cow_dst))
@@ -215,13 +218,12 @@ def fill(model, state: PagedKVState, seq: int, start: int, tokens, graph=None, c
     return state
 
 
-def precompile(model: CausalLM, state: PagedKVState, graph=None, shapes=None):
-    """Compile (and run once) the step for each of `shapes` (default: every one,
-    `step_shapes`), yielding the state after each. Each run is all padding (no row, every slot
-    dropped): the pools come back unchanged."""
-    for t, b in step_shapes(state) if shapes is None else shapes:
-        state, _ = _run(model, state, _padding(state, b, t), graph)
-        yield state
+def precompile(model: CausalLM, state: PagedKVState, shape: tuple[int, int], graph=None):
+    """Compile (and run once) the step of `shape` (tokens, rows: one of `step_shapes`) and
+    return the state. The run is all padding (no row, every slot dropped): the pools come back
+    unchanged."""
+    tokens, rows = shape
+    return _run(model, state, _padding(state, rows, tokens), graph)[0]
 
 
 # ---- public API -----------------------------------------------------------------------------
@@ -279,11 +281,6 @@ def extend(
         raise ValueError(f"{len(seqs)} sequences but {len(blocks)} token blocks")
     if any(len(b) == 0 for b in blocks):
         raise ValueError("each block needs at least one token")
-    if sum(map(len, blocks)) > state.max_step_tokens:
-        raise ValueError(
-            f"{sum(map(len, blocks))} tokens in one step; the state's max_step_tokens is "
-            f"{state.max_step_tokens}"
-        )
     allocator.check_appends(state, seqs, [len(b) for b in blocks])
     state, logits = _append(model, state, seqs, blocks, graph)
     return state, logits if padded else logits[: len(seqs)]
@@ -302,10 +299,6 @@ def decode(
     if len(seqs) != len(toks):
         raise ValueError(f"{len(seqs)} sequences but {len(toks)} tokens")
     allocator.check_appends(state, seqs, [1] * len(seqs))
-    if len(seqs) > state.max_step_tokens:
-        raise ValueError(
-            f"{len(seqs)} rows in one step; max_step_tokens is {state.max_step_tokens}"
-        )
     state, logits = _append(model, state, seqs, [toks[i : i + 1] for i in range(len(seqs))], graph)
     return state, logits[: len(seqs)]
 

@@ -146,11 +146,8 @@ def shapes(state: PagedKVState) -> list[tuple[str, int]]:
     """Every shape an edit's device steps over `state` can take: ("move", runs) for the
     splice, in blocks of at most the state's `max_step_tokens` runs, ("zero", pages) for an
     edit's zeroing and ("purge", pages) for a purge's, in blocks of at most `ZERO_BLOCK`."""
-    top = bucket(state.max_step_tokens, MIN_MOVE_BUCKET, state.max_step_tokens)
-    moves = [bucket(1 << i, MIN_MOVE_BUCKET, top) for i in range((top - 1).bit_length() + 1)]
-    zeros = [1 << i for i in range(kv.ZERO_BLOCK.bit_length())]
-    out = [("move", m) for m in sorted(set(moves))]
-    return out + [(kind, k) for kind in ("zero", "purge") for k in zeros]
+    moves = [("move", m) for m in kv.ladder(state.max_step_tokens, MIN_MOVE_BUCKET)]
+    return moves + [(kind, k) for kind in ("zero", "purge") for k in kv.ladder(kv.ZERO_BLOCK)]
 
 
 def run_edit(
@@ -193,21 +190,19 @@ def run_edit(
     return state
 
 
-def precompile(model, state: PagedKVState, todo=None, *, impl=None):
-    """Compile (and run once, on padding that changes nothing) the edit's device steps for
-    each of `todo` (default: every one of `shapes`), yielding the state after each."""
-    p, ps = state.num_pages, state.page_size
-    tables = rotation_tables(model.config, state.max_seq_len, impl)
-    for kind, k in shapes(state) if todo is None else todo:
-        if kind == "move":  # every run is padding (length 0): nothing moves
-            zeros = padded([], k, 0)
-            pools = splice_pools(state.pools, Runs(*[zeros] * 5), *tables, impl=impl)
-        elif kind == "zero":
-            pools = state.pools.by_layer(_zero_step, padded([], k, p), padded([], ps, p * ps))
-        else:  # a purge's: every id "nowhere" changes nothing
-            pools = state.zeroed(np.full(k, p, np.int32)).pools
-        state = state.replace(pools=pools)
-        yield state
+def precompile(model, state: PagedKVState, shape: tuple[str, int], *, impl=None):
+    """Compile (and run once, on padding that changes nothing) the edit's device step of
+    `shape` (one of `shapes`) and return the state."""
+    (kind, k), p, ps = shape, state.num_pages, state.page_size
+    if kind == "move":  # every run is padding (length 0): nothing moves
+        zeros = padded([], k, 0)
+        tables = rotation_tables(model.config, state.max_seq_len, impl)
+        pools = splice_pools(state.pools, Runs(*[zeros] * 5), *tables, impl=impl)
+    elif kind == "zero":
+        pools = state.pools.by_layer(_zero_step, padded([], k, p), padded([], ps, p * ps))
+    else:  # a purge's: every id "nowhere" changes nothing
+        return state.zeroed(np.full(k, p, np.int32))
+    return state.replace(pools=pools)
 
 
 def compile_counts() -> dict[str, int]:

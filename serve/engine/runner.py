@@ -267,7 +267,7 @@ class Runner:
 
     def _warm_step(self, tokens: int, rows: int) -> None:
         pool = self.pool
-        *_, pool.state = paged.precompile(pool.model, pool.state, pool.graph, [(tokens, rows)])
+        pool.state = paged.precompile(pool.model, pool.state, (tokens, rows), pool.graph)
         # the sampling columns made as `_emit` makes them (a host array's upload compiles too)
         cols = [
             jnp.asarray(np.ones(rows, t)) for t in (np.float32, np.float32, np.uint32, np.int32)
@@ -277,4 +277,4 @@ class Runner:
 
     def _warm_edit(self, kind: str, size: int) -> None:
         pool = self.pool
-        *_, pool.state = splice.precompile(pool.model, pool.state, [(kind, size)])
+        pool.state = splice.precompile(pool.model, pool.state, (kind, size))
