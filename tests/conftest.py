@@ -12,15 +12,18 @@ import os
 import numpy as np
 import pytest
 
-# The suite's time is mostly XLA compiling small programs, so it compiles them with LLVM's
-# optimisation off (`--xla_backend_optimization_level=0`): 25-30% less time for the slowest
-# files here. Every check holds at either level (the whole suite passes with
-# LEYLINE_TEST_XLA_OPT=default, XLA's own level); processes the tests start inherit it, except
-# where a test measures what a user runs (tests/test_startup.py clears it). Set before jax
-# starts its backend.
+# The suite's time is mostly XLA compiling small programs, so it compiles them cheaply: LLVM's
+# optimisation off (`--xla_backend_optimization_level=0`, 25-30% less time for the slowest
+# files) and XLA:CPU's older loop emitters instead of its fusion emitters
+# (`--xla_cpu_use_fusion_emitters=false`, another 30% off test_directives.py: 142 s -> 99 s,
+# 101 s -> 63 s of it compiling). Every check holds either way (the whole suite passes with
+# LEYLINE_TEST_XLA_OPT=default, XLA's own settings); processes the tests start inherit them,
+# except where a test measures what a user runs (tests/test_startup.py clears them). Set before
+# jax starts its backend.
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 if os.environ.get("LEYLINE_TEST_XLA_OPT", "0") != "default":
     _flags = os.environ.get("XLA_FLAGS", "")
-    os.environ["XLA_FLAGS"] = f"{_flags} --xla_backend_optimization_level=0".strip()
+    os.environ["XLA_FLAGS"] = f"{_flags} {TEST_XLA_FLAGS}".strip()
 
 from checkpoints.tiny import (  # noqa: E402
     TINY_GQA_CONFIGS,
