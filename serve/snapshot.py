@@ -12,12 +12,14 @@ A snapshot (`checkpoints.sessions`: atomic, crash-safe) holds two arrays and a J
   `clean` (tokens[:clean] hold the KV a fresh prefill gives; KV past it is AMORTIZE-spliced
   and serves its own session only) and `pages` (indices into the saved pages: the session's
   page-table row over tokens[:cached]).
-  A session's `pins` (PIN spans), `lineage` (its own, "session:<id>", or a caller's name) and
-  MOVE flags (`private`, `foreign`) come back as they were.
-- `prefixes`: the radix cache's path along each session's tokens and every pinned path
-  (tokens, page indices, and the lineage that cached each page: MOVE copies only its own
-  lineage's), so a session's next turn, offloaded or not, finds what it would have found (the
-  cache holds only clean KV, so lineage is kept). Other radix entries are not saved.
+  A session's `pins` (PIN spans), `lineage` (its own, "session:<id>", or a caller's name),
+  `salt` (whose radix cache it shares) and MOVE flags (`private`, `foreign`) come back as they
+  were.
+- `prefixes`: the radix cache's path along each session's tokens (in its salt's cache) and
+  every pinned path (tokens, page indices, the salt, and the lineage that cached each page:
+  MOVE copies only its own lineage's), so a session's next turn, offloaded or not, finds what
+  it would have found (the cache holds only clean KV, so lineage is kept). Other radix entries
+  are not saved.
 - `radix_pins`: each pinned prefix and how many `pin_prefix` calls hold it.
 - `lineage_trees`: each lineage's private tree (the KV its MOVE sessions hold past their clean
   prefix), whole: every root-to-leaf path.
@@ -67,10 +69,10 @@ def save(engine: Engine, root: str | os.PathLike, extra: dict | None = None) -> 
     def path(tokens, pages) -> dict:
         return {"tokens": list(tokens), "pages": refs(pages)}
 
-    def prefix(tokens) -> dict | None:
-        pages, n = engine.radix.peek(tokens)
+    def prefix(tokens, salt="") -> dict | None:
+        pages, n = caches.tree(salt).peek(tokens)
         lineages = [caches.lineage_of.get(p) for p in pages]
-        return {**path(tokens[:n], pages), "lineages": lineages} if n else None
+        return {**path(tokens[:n], pages), "lineages": lineages, "salt": salt} if n else None
 
     sessions, prefixes, pins, trees = [], [], [], []
     for s in sorted(engine.sessions.values(), key=lambda s: s.last_used):
@@ -81,8 +83,9 @@ def save(engine: Engine, root: str | os.PathLike, extra: dict | None = None) -> 
             raise RuntimeError(f"session {s.id}: its tokens do not describe its sequence's KV")
         rec = {"id": s.id, "tokens": tokens, "cached": cached, "clean": min(s.clean, cached)}
         rec |= {"pins": [list(p) for p in s.pins if p[1] <= len(tokens)], "lineage": s.lineage}
+        rec |= {"salt": s.salt}
         sessions.append({**rec, "private": s.private, "foreign": s.foreign, "pages": refs(row)})
-        if engine.radix is not None and (p := prefix(s.tokens)):  # what a later turn finds
+        if engine.radix is not None and (p := prefix(s.tokens, s.salt)):  # a later turn's hit
             prefixes.append(p)
     if engine.radix is not None:
         for tokens, count in engine.radix.pin_ends():
@@ -156,12 +159,13 @@ def restore(engine: Engine, root: str | os.PathLike) -> dict | None:
         )
     pages = engine.pool.load_pages(moved, rotated)  # each page: one loader reference
     for p in prefixes:  # first: the tree maps each saved path to its saved pages
-        engine.caches.restore_prefix(p["tokens"], pages[p["pages"]].tolist(), p["lineages"])
+        take = engine.caches.restore_prefix
+        take(p["tokens"], pages[p["pages"]].tolist(), p["lineages"], p["salt"])
     for t in trees:
         for p in t["paths"]:
             engine.caches.restore_tree(t["lineage"], p["tokens"], pages[p["pages"]].tolist())
     for r in sessions:  # least recently used first: the engine's LRU order is kept
-        kw = {k: r[k] for k in ("cached", "clean", "lineage", "private", "foreign")}
+        kw = {k: r[k] for k in ("cached", "clean", "lineage", "private", "foreign", "salt")}
         kw |= {"pages": pages[r["pages"]].tolist(), "pins": [tuple(p) for p in r["pins"]]}
         engine.restore_session(r["id"], r["tokens"], **kw)
     for p in pins:
@@ -231,7 +235,7 @@ class _Records:
             return False
         self.ids.add(r["id"])
         own = f"{OWN_LINEAGE}{r['id']}"
-        defaults = {"pins": [], "lineage": own, "private": False, "foreign": False}
+        defaults = {"pins": [], "lineage": own, "private": False, "foreign": False, "salt": ""}
         for key, default in defaults.items():
             r.setdefault(key, default)
         return (
@@ -247,6 +251,7 @@ class _Records:
             and (r["lineage"] == own or not r["lineage"].startswith(OWN_LINEAGE))
             and isinstance(r["private"], bool)
             and isinstance(r["foreign"], bool)
+            and isinstance(r["salt"], str)
         )
 
     def prefix(self, p) -> bool:
@@ -254,7 +259,8 @@ class _Records:
             return False
         lineages = p.setdefault("lineages", [None] * len(p["pages"]))
         return (
-            isinstance(lineages, list)
+            isinstance(p.setdefault("salt", ""), str)
+            and isinstance(lineages, list)
             and len(lineages) == len(p["pages"])
             and all(x is None or isinstance(x, str) for x in lineages)
         )

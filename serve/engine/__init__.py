@@ -88,12 +88,12 @@ class Engine:
         self.pool.state = value
 
     # ---- sessions ---------------------------------------------------------------------------
-    def open_session(self, *, lineage: str | None = None) -> int:
-        """A new session. `lineage` (default: its own) names whose clean radix pages MOVE may
-        copy into it: those that sessions of the same lineage cached (like vLLM's
-        `cache_salt`, it keeps one tenant's KV from being moved into another's prompt;
-        exact-prefix hits are shared as before)."""
-        return self.table.open(lineage)
+    def open_session(self, *, lineage: str | None = None, salt: str = "") -> int:
+        """A new session. `salt` (like vLLM's `cache_salt`; a tenant's) names the radix cache
+        it shares: it finds only prefixes that sessions of the same salt cached, and its own
+        go there alone. `lineage` (default: its own) names whose clean radix pages MOVE may
+        copy into it: those that sessions of the same lineage (and salt) cached."""
+        return self.table.open(lineage, salt)
 
     def close_session(self, session: int) -> None:
         """Close a session after its turns finish; its clean prefix stays in the radix cache
@@ -139,6 +139,7 @@ class Engine:
     def restore_session(
         self, session: int, tokens: Sequence[int], *, pages=(), cached: int = 0, clean: int = 0,
         pins=(), lineage: str | None = None, private: bool = False, foreign: bool = False,
+        salt: str = "",
     ) -> None:  # fmt: skip
         """Recreate session `session` as a snapshot saved it (`serve.snapshot.restore`): its
         token list and, with `pages`, a free sequence slot holding tokens[:cached] in those
@@ -147,12 +148,14 @@ class Engine:
         fresh prefill's KV) and enters the radix cache as a finished turn's does; KV past it
         (AMORTIZE-spliced) serves this session only. The session is idle and most recently
         used; later `open_session` ids are above `session`. It comes back with its `pins`,
-        `lineage` (None: its own) and MOVE flags (`private`: it ran MOVE; `foreign`: its KV
+        `lineage` (None: its own), `salt` and MOVE flags (`private`: it ran MOVE; `foreign`: its KV
         holds KV moved from another session's pages). Raises ValueError, before anything
         changes, for an id in use, lengths that disagree (0 <= clean <= cached <= len(tokens),
         pages covering tokens[:cached] exactly, nothing cached without pages), pins outside
         the tokens, another session's own lineage, or no free sequence slot."""
-        self.table.restore(session, tokens, pages, cached, clean, pins, lineage, private, foreign)
+        self.table.restore(
+            session, tokens, pages, cached, clean, pins, lineage, private, foreign, salt
+        )
 
     def restore_prefix(self, tokens: Sequence[int], pages: Sequence[int]) -> int:
         """Offer the radix cache `tokens` (len(pages) whole pages) whose KV, as a fresh prefill
@@ -171,8 +174,8 @@ class Engine:
         return self.caches.restore_prefix(toks, p)
 
     def reset_prefix_cache(self) -> int:
-        """Empty the radix prefix cache (like vLLM's `reset_prefix_cache`): the tree (and
-        every lineage's private tree) drops every reference it holds, and pages no session
+        """Empty the radix prefix cache (like vLLM's `reset_prefix_cache`): every salt's tree
+        (and every lineage's private tree) drops every reference it holds, and pages no session
         holds return to the pool. Sessions keep their own KV (close them to drop it); their
         clean prefixes enter the cache again as they run. Returns how many pages came back."""
         before = self.pool.free_count()

@@ -4,7 +4,9 @@ takes back.
 KV that AMORTIZE spliced (or MOVE copied) is not what a fresh prefill of the same tokens gives,
 so it stays with the session (and its KV) that made it: a session tracks `clean`, the length of
 the prefix whose KV a fresh prefill would reproduce, and only whole pages of that prefix enter
-the radix cache, shared by every session. A session that ran MOVE also caches its whole KV in
+the radix cache, shared by every session of the same salt (a tenant's, or a caller's
+`cache_salt`: each salt has a tree of its own, so a prefix one tenant cached is never found by
+another, nor seen in its usage). A session that ran MOVE also caches its whole KV in
 its lineage's private tree (`private`), which only later sessions of that lineage match; KV a
 MOVE copied from another session's pages (`Session.foreign`) is never cached there. Radix
 pages remember the lineage that cached them (`lineage_of`): MOVE copies only its own
@@ -31,12 +33,22 @@ OWN_LINEAGE = "session:"
 class PrefixCaches:
     def __init__(self, pool: Pool, enabled: bool):
         self.pool, self.page_size = pool, pool.page_size
-        self.radix = RadixCache(self.page_size) if enabled else None
+        self.enabled = enabled
+        self.shared: dict[str, RadixCache] = {}  # salt -> its radix cache ("": no salt)
+        self.radix = self.tree("")  # the unsalted radix cache (None: no radix cache)
         self.private: dict[str, RadixCache] = {}  # lineage -> its MOVE sessions' KV
         self.lineage_of: dict[int, str] = {}  # radix page -> lineage of the session it came from
 
+    def tree(self, salt: str) -> RadixCache | None:
+        """The radix cache of sessions with `salt` (made on first use; None: no radix cache)."""
+        if not self.enabled:
+            return None
+        if salt not in self.shared:
+            self.shared[salt] = RadixCache(self.page_size)
+        return self.shared[salt]
+
     def trees(self) -> list[RadixCache]:
-        return [] if self.radix is None else [self.radix, *self.private.values()]
+        return [*self.shared.values(), *self.private.values()]
 
     def pages(self) -> list[int]:
         """Every page reference the trees hold (a page in two trees is listed twice)."""
@@ -56,20 +68,21 @@ class PrefixCaches:
         """Offer the whole pages of `s`'s clean prefix to the radix cache (and, after MOVE,
         its whole KV to its lineage's tree); each tree takes a reference to pages it newly
         holds."""
-        if s.seq is None or self.radix is None:
+        if s.seq is None or not self.enabled:
             return
-        for p in self._insert(self.radix, s, min(s.clean, s.cached)):
+        for p in self._insert(self.tree(s.salt), s, min(s.clean, s.cached)):
             self.lineage_of[p] = s.lineage
         if s.private and not s.foreign and s.cached // self.page_size:
             tree = self.private.setdefault(s.lineage, RadixCache(self.page_size))
             self._insert(tree, s, s.cached)
 
-    def restore_prefix(self, tokens: list[int], pages: list[int], lineages=None) -> int:
-        """Take `tokens` held in `pages` (whole pages of clean KV) into the radix cache;
-        `lineages[i]`: the lineage that cached pages[i] (None: none). How many pages it took."""
-        if self.radix is None:
+    def restore_prefix(self, tokens: list[int], pages: list[int], lineages=None, salt="") -> int:
+        """Take `tokens` held in `pages` (whole pages of clean KV) into the radix cache of
+        `salt`; `lineages[i]`: the lineage that cached pages[i] (None: none). How many pages it
+        took."""
+        if not self.enabled:
             return 0
-        taken = self.radix.insert(tokens, pages)
+        taken = self.tree(salt).insert(tokens, pages)
         self.pool.retain(taken)
         for p, lineage in zip(pages, lineages or [None] * len(pages), strict=True):
             if lineage is not None and p in taken:
@@ -85,12 +98,12 @@ class PrefixCaches:
     # ---- what a turn finds -----------------------------------------------------------------------
     def match(self, s: Session, prompt: list[int]) -> tuple[list[int], int, int]:
         """(pages, tokens they hold, of those the clean ones) of the longest cached prefix of
-        `prompt` that `s` may use: the radix cache's, or its lineage's own if that reaches
+        `prompt` that `s` may use: its salt's radix cache's, or its lineage's own if that reaches
         further (clean only as far as its pages are the radix cache's own). At least the
         prompt's last token is left to feed."""
         pages, hit = [], 0
-        if self.radix is not None:
-            pages, hit = self.radix.match(prompt, max_tokens=len(prompt) - 1)
+        if self.enabled:
+            pages, hit = self.tree(s.salt).match(prompt, max_tokens=len(prompt) - 1)
         clean = hit
         tree = self.private.get(s.lineage)
         if tree is not None:
@@ -102,11 +115,11 @@ class PrefixCaches:
                 pages, hit, clean = own, n, same * self.page_size
         return pages, hit, clean
 
-    def locate(self, page_tokens: tuple[int, ...], lineage: str) -> tuple[int, int] | None:
-        """A clean radix page holding exactly `page_tokens`, cached by `lineage`: (page, its
-        first token's position), or None."""
-        found = self.radix.locate(page_tokens) if self.radix is not None else None
-        if found is not None and self.lineage_of.get(found[0]) == lineage:
+    def locate(self, page_tokens: tuple[int, ...], s: Session) -> tuple[int, int] | None:
+        """A clean page of `s`'s salt's radix cache holding exactly `page_tokens`, cached by
+        `s`'s lineage: (page, its first token's position), or None."""
+        found = self.tree(s.salt).locate(page_tokens) if self.enabled else None
+        if found is not None and self.lineage_of.get(found[0]) == s.lineage:
             return found
         return None
 
@@ -117,13 +130,14 @@ class PrefixCaches:
         forget = [d for d in ds if d.mode is Mode.FORGET]
         if not forget:
             return
-        for tree in (self.radix, self.private.get(s.lineage)):
+        shared = self.tree(s.salt) if self.enabled else None
+        for tree in (shared, self.private.get(s.lineage)):
             if tree is not None:
                 self.pool.release(tree.purge(list(s.tokens), forget[0].start), zero=True)
 
     def evict(self, want: int) -> int:
         """Evict up to `want` pages only the trees hold, least recently used leaves first
-        (the radix cache's, then each lineage tree's); how many pages came back."""
+        (the radix caches', then each lineage tree's); how many pages came back."""
         trees = self.trees()
         held = collections.Counter(p for tree in trees for p in tree.pages())
         for tree in trees:

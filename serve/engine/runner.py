@@ -114,7 +114,7 @@ class Runner:
         MOVE the pool cannot hold now is skipped: those tokens are prefilled instead."""
         s, st = req.session, req.stats
         d = planner.move_plan(
-            prompt, s.cached, self.pool.page_size, lambda key: self.caches.locate(key, s.lineage)
+            prompt, s.cached, self.pool.page_size, lambda key: self.caches.locate(key, s)
         )
         if d is None:
             return

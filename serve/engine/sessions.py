@@ -35,9 +35,11 @@ class SessionTable:
             raise KeyError(f"unknown or closed session {session}")
         return s
 
-    def open(self, lineage: str | None = None) -> int:
+    def open(self, lineage: str | None = None, salt: str = "") -> int:
         if lineage is not None and not isinstance(lineage, str):
             raise ValueError(f"lineage must be a string, got {lineage!r}")
+        if not isinstance(salt, str):
+            raise ValueError(f"salt must be a string, got {salt!r}")
         if lineage is not None and lineage.startswith(OWN_LINEAGE):
             raise ValueError(
                 f"lineage {lineage!r}: names starting with {OWN_LINEAGE!r} are the engine's "
@@ -46,7 +48,8 @@ class SessionTable:
         sid = next(self._ids)
         own = f"{OWN_LINEAGE}{sid}"
         lineage = own if lineage is None else lineage
-        self.sessions[sid] = Session(sid, last_used=time.perf_counter(), lineage=lineage)
+        s = Session(sid, last_used=time.perf_counter(), lineage=lineage, salt=salt)
+        self.sessions[sid] = s
         return sid
 
     def close(self, session: int) -> None:
@@ -123,6 +126,7 @@ class SessionTable:
     def restore(
         self, session: int, tokens: Sequence[int], pages: Sequence[int], cached: int, clean: int,
         pins=(), lineage: str | None = None, private: bool = False, foreign: bool = False,
+        salt: str = "",
     ) -> Session:  # fmt: skip
         """Recreate a saved session (see `Engine.restore_session`, which documents it)."""
         if not is_int(session) or session < 0:
@@ -139,8 +143,10 @@ class SessionTable:
         lineage = own if lineage is None else lineage
         if not isinstance(lineage, str) or (lineage != own and lineage.startswith(OWN_LINEAGE)):
             raise ValueError(f"lineage {lineage!r} is not session {session}'s own nor a name")
+        if not isinstance(salt, str):
+            raise ValueError(f"salt must be a string, got {salt!r}")
         pins = spans.check_spans(pins, len(toks), "pinned span")
-        s = Session(int(session), toks, last_used=time.perf_counter(), lineage=lineage)
+        s = Session(int(session), toks, last_used=time.perf_counter(), lineage=lineage, salt=salt)
         s.pins, s.private, s.foreign = pins, bool(private), bool(foreign)
         if cached:
             free = self.free_slots()

@@ -122,6 +122,7 @@ class Session:
     last_used: float = 0.0
     pins: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # PIN spans
     lineage: str = ""  # radix pages it inserted may be MOVE sources for this lineage only
+    salt: str = ""  # the radix cache it shares: that of sessions with the same salt only
     private: bool = False  # it ran MOVE: its non-clean KV is cached for its lineage only
     # its KV holds KV moved from radix pages (another session's history): its non-clean KV
     # then stays its own (never cached for the lineage) until the KV starts again

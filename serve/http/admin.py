@@ -1,15 +1,18 @@
 """The routes around the turns: `GET /health`, `GET /metrics` (Prometheus text), `GET
 /v1/models`, `DELETE /v1/sessions/{id}` (close a session: 404 unknown, 409 a turn in flight)
 and `POST /v1/snapshot` (save every session now, as at shutdown; 409 without
-`--snapshot-dir`)."""
+`--snapshot-dir`; an admin key when the server has keys: `serve.http.auth`). A session is the
+caller's tenant's: another tenant's of the same name is not found."""
 
 from __future__ import annotations
 
 import asyncio
 
 from fastapi import Path as PathParam
+from fastapi import Request
 from fastapi.responses import Response
 
+from serve.http.auth import scoped
 from serve.http.errors import APIError, unavailable
 from serve.http.extensions import SESSION_ID
 from serve.http.worker import Answer, Close, SessionBusy, Snapshot
@@ -64,8 +67,9 @@ def add_routes(app, backend) -> None:
         return {"object": "list", "data": [model]}
 
     @app.delete("/v1/sessions/{session_id}")
-    async def close_session(session_id: str = PathParam(**SESSION_ID)):
-        err = await engine_call(worker, lambda answer: Close(session_id, answer))
+    async def close_session(request: Request, session_id: str = PathParam(**SESSION_ID)):
+        key = scoped(request.state.tenant, session_id)
+        err = await engine_call(worker, lambda answer: Close(key, answer))
         if isinstance(err, KeyError):
             why = f"no session {session_id!r}"
             raise APIError(404, why, "session_id", "not_found_error", code="session_not_found")
@@ -76,7 +80,8 @@ def add_routes(app, backend) -> None:
         return {"id": session_id, "object": "session", "deleted": True}
 
     @app.post("/v1/snapshot")
-    async def take_snapshot():
+    async def take_snapshot(request: Request):
+        backend.tenants.check_admin(request.headers.get("authorization"))
         if backend.snapshot_dir is None:
             why = "this server was started without --snapshot-dir"
             raise APIError(409, why, "snapshot_dir", code="no_snapshot_dir")

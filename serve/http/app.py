@@ -16,6 +16,7 @@ from pathlib import Path
 from fastapi import FastAPI
 
 from serve.http import admin, chat_completions, completions, errors
+from serve.http.auth import Authenticate
 from serve.http.backend import Backend
 from serve.http.metrics import CountRequests
 from serve.http.turn import Turns
@@ -31,7 +32,8 @@ def build_app(backend: Backend) -> FastAPI:
     if backend.snapshot_dir is not None:
         restore_sessions(backend)
     errors.install(app)
-    app.add_middleware(CountRequests, metrics=backend.metrics)
+    app.add_middleware(Authenticate, tenants=backend.tenants)
+    app.add_middleware(CountRequests, metrics=backend.metrics)  # outermost: counts 401s too
     turns = Turns(backend)
     admin.add_routes(app, backend)
     chat_completions.add_route(app, turns)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from serve import chat
 from serve.engine import Engine, EngineConfig
+from serve.http.auth import Tenants
 from serve.http.metrics import Metrics
 from serve.http.sessions import HttpSessions
 from serve.http.text import ModVocabTokenizer
@@ -36,6 +37,7 @@ class Backend:
     default_max_tokens: int = DEFAULT_MAX_TOKENS
     request_timeout_s: float = 600.0
     snapshot_dir: str | None = None  # durable sessions: restored at start, saved at shutdown
+    tenants: Tenants = dataclasses.field(default_factory=Tenants)  # API keys (none: one tenant)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
     @property

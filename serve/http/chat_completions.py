@@ -23,7 +23,7 @@ from serve.http.errors import APIError
 from serve.http.history import edit_messages, token_directives
 from serve.http.schema import ChatCompletionRequest
 from serve.http.text import OutputText, parse_tool_calls, tool_markers
-from serve.http.turn import Outcome, Reply, SessionHeader, Turns, data, usage
+from serve.http.turn import Caller, Outcome, Reply, SessionHeader, Turns, data, usage
 
 
 @dataclasses.dataclass
@@ -80,8 +80,8 @@ class ChatReply(Reply):
 
     prefix, kind = "chatcmpl", "chat.completion.chunk"
 
-    def __init__(self, req, key, turn: Turn, text: OutputText, backend):
-        super().__init__(req, key, text, backend.model_name)
+    def __init__(self, req, caller: Caller, turn: Turn, text: OutputText, backend):
+        super().__init__(req, caller, text, backend.model_name)
         self.turn, self.backend = turn, backend
 
     def _chunk(self, delta, finish=None, usage_=None, choices=True) -> dict:
@@ -101,7 +101,7 @@ class ChatReply(Reply):
             # a reply cut by a stop string or carrying tool calls is re-sent otherwise
             out_ids = out.output
             ids = out_ids[:-1] if out_ids and out_ids[-1] in tok.stop_tokens else out_ids
-            self.backend.sessions.remember(self.key, text.text, list(ids))
+            self.backend.sessions.remember(self.caller.key, text.text, list(ids))
         extra = {"leyline": self.leyline(self.turn.final, out.output, self.turn.directives)}
         if self.turn.applied_edits is not None:
             extra["context_management"] = {"applied_edits": self.turn.applied_edits}
@@ -156,14 +156,14 @@ def add_route(app, turns: Turns) -> None:
     async def chat_completions(
         req: ChatCompletionRequest, request: Request, x_session_id: SessionHeader = None
     ):
-        key = turns.session(req, x_session_id)
+        caller = turns.session(req, x_session_id, request)
         if (why := req.tool_choice_error()) is not None:
             raise APIError(400, why, "tool_choice")
         tok = backend.tokenizer
-        turn = render(req, key, tok, backend.sessions)
+        turn = render(req, caller.key, tok, backend.sessions)
         sampling = turns.sampling(req, len(turn.final), *req.max_new)
-        job = turns.start(turn.prompt, sampling, req, key, turn.directives)
+        job = turns.start(turn.prompt, sampling, req, caller, turn.directives)
         markers = tool_markers(tok) if turn.use_tools else ()
         text = OutputText(tok, tok.stop_tokens, req.stops, markers)
-        reply = ChatReply(req, key, turn, text, backend)
+        reply = ChatReply(req, caller, turn, text, backend)
         return await turns.respond(job, request, reply)

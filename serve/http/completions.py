@@ -9,7 +9,7 @@ from fastapi import Request
 from serve.http.errors import APIError
 from serve.http.schema import CompletionRequest
 from serve.http.text import OutputText
-from serve.http.turn import Outcome, Reply, SessionHeader, Turns, data, usage
+from serve.http.turn import Caller, Outcome, Reply, SessionHeader, Turns, data, usage
 
 
 class TextReply(Reply):
@@ -17,8 +17,8 @@ class TextReply(Reply):
 
     field, prefix, kind = "prompt", "cmpl", "text_completion"
 
-    def __init__(self, req, key, prompt, text: OutputText, model_name: str):
-        super().__init__(req, key, text, model_name)
+    def __init__(self, req, caller: Caller, prompt, text: OutputText, model_name: str):
+        super().__init__(req, caller, text, model_name)
         self.prompt = prompt
 
     def _body(self, choices, out: Outcome | None = None) -> dict:
@@ -57,7 +57,7 @@ def add_route(app, turns: Turns) -> None:
     async def completions(
         req: CompletionRequest, request: Request, x_session_id: SessionHeader = None
     ):
-        key = turns.session(req, x_session_id)
+        caller = turns.session(req, x_session_id, request)
         tok = backend.tokenizer
         if isinstance(req.prompt, str):
             prompt = tok.encode(req.prompt)
@@ -70,7 +70,7 @@ def add_route(app, turns: Turns) -> None:
                 why = f"prompt: token id {bad[0]} is outside the vocabulary [0, {vocab})"
                 raise APIError(400, why, "prompt")
         sampling = turns.sampling(req, len(prompt), req.max_tokens, "max_tokens")
-        job = turns.start(prompt, sampling, req, key)
+        job = turns.start(prompt, sampling, req, caller)
         text = OutputText(tok, tok.stop_tokens, req.stops, ())
-        reply = TextReply(req, key, prompt, text, backend.model_name)
+        reply = TextReply(req, caller, prompt, text, backend.model_name)
         return await turns.respond(job, request, reply)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from functools import partial
 
+from serve.engine import Status
+
 
 class Metrics:
     """The server's Prometheus metrics, in a registry of its own."""
@@ -37,6 +39,14 @@ class Metrics:
         self.step = histogram("leyline_step_seconds", "One engine step")
         self.latency = histogram("leyline_turn_seconds", "Arrival to the turn's end")
         self._prompt = self._cached = 0
+
+    def gauges(self, engine, requests) -> None:
+        """The engine's gauges after a step (`requests`: those submitted, not yet ended)."""
+        running = sum(1 for r in requests if r.status in (Status.PREFILL, Status.DECODE))
+        self.running.set(running)
+        self.queue_depth.set(len(requests) - running)
+        self.free_pages.set(engine.pool.free_count())
+        self.sessions.set(len(engine.sessions))
 
     def turn_done(self, job) -> None:
         st = job.request.stats

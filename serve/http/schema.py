@@ -139,6 +139,7 @@ class _Sampling(_Open):
     logprobs: bool | int | None = None
     ignore_eos: bool = False
     session_id: str | None = Field(None, **SESSION_ID)
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)  # as vLLM's
     leyline: LeylineOptions | None = None
 
     @field_validator("stop")

@@ -4,7 +4,7 @@ of this process, for tests and benchmarks).
     python -m serve.http --model PATH|tiny|smollm2 [--port 8000] [--host 127.0.0.1]
         [--num-pages N] [--page-size N] [--max-seqs N] [--kv-dtype bf16|fp32] ...
         [--max-queue 64] [--warmup] [--list-shapes] [--compile-cache DIR|off]
-        [--snapshot-dir DIR]
+        [--snapshot-dir DIR] [--api-key KEY ...] [--api-keys-file FILE] [--admin-key KEY]
 
 The engine's flags and their defaults are `serve.engine.EngineConfig`'s.
 """
@@ -22,6 +22,7 @@ import time
 from serve import compile_cache
 from serve.engine import EngineConfig
 from serve.http.app import build_app, save_at_shutdown
+from serve.http.auth import Tenants
 from serve.http.backend import DEFAULT_MAX_TOKENS, Backend, load_backend
 
 log = logging.getLogger("serve.http")
@@ -116,6 +117,16 @@ def parser() -> argparse.ArgumentParser:
         "(SIGTERM, SIGINT) and on POST /v1/snapshot",
     )
     ap.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="a tenant's key (repeat for more tenants): /v1/ routes need one (serve.http.auth)",
+    )
+    ap.add_argument("--api-keys-file", help="tenants' keys, one a line: KEY or TENANT KEY")
+    ap.add_argument(
+        "--admin-key", action="append", default=[], help="a key for admin routes (snapshot)"
+    )
+    ap.add_argument(
         "--compile-cache",
         help="keep compiled programs in DIR (default: serve.compile_cache's; off)",
     )
@@ -123,8 +134,15 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> None:
-    args = parser().parse_args(argv)
+    ap = parser()
+    args = ap.parse_args(argv)
+    try:
+        tenants = Tenants.from_args(args.api_key, args.api_keys_file, args.admin_key)
+    except (OSError, ValueError) as e:
+        ap.error(str(e))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if tenants.single:
+        log.warning("no --api-key: single-tenant (every client shares sessions and the cache)")
     compile_cache.enable(args.compile_cache)
     backend = load_backend(
         args.model,
@@ -137,6 +155,7 @@ def main(argv=None) -> None:
         default_max_tokens=args.max_tokens,
         request_timeout_s=args.request_timeout,
         snapshot_dir=args.snapshot_dir,
+        tenants=tenants,
     )
     if args.list_shapes:
         names = backend.worker.engine.warmup_plan().names()

@@ -24,6 +24,7 @@ from sse_starlette.sse import EventSourceResponse
 
 from leyline_jax.directives import Mode
 from serve.engine import RequestError, SamplingParams, TurnCancelled
+from serve.http import auth
 from serve.http.errors import APIError, unavailable
 from serve.http.extensions import SESSION_ID
 from serve.http.text import OutputText
@@ -31,6 +32,20 @@ from serve.http.worker import Job, QueueFull, ShuttingDown
 
 # the X-Session-Id header: names the conversation, like the body's `session_id`
 SessionHeader = Annotated[str | None, Header(**SESSION_ID)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Caller:
+    """Who asks (the key's tenant: `serve.http.auth`) and the session it names (None: a
+    session of its own for this turn)."""
+
+    tenant: str
+    name: str | None
+
+    @property
+    def key(self) -> str | None:
+        """The session's key in `HttpSessions` (its name within the tenant's)."""
+        return auth.scoped(self.tenant, self.name)
 
 
 @dataclasses.dataclass
@@ -45,14 +60,14 @@ class Outcome:
 class Reply:
     """How a route words a turn's answer (subclassed per route). `field`: the request field
     an engine error names; `text`, `req` and `key`: the turn's output text, request and
-    session, which every answer reports; `head`: the fields every object of the answer opens
-    with (`prefix`: its id's, `kind`: its `object`)."""
+    session name (the `caller`'s), which every answer reports; `head`: the fields every object
+    of the answer opens with (`prefix`: its id's, `kind`: its `object`)."""
 
     field = "messages"
     prefix = kind = ""
 
-    def __init__(self, req, key: str | None, text: OutputText, model_name: str):
-        self.req, self.key, self.text = req, key, text
+    def __init__(self, req, caller: Caller, text: OutputText, model_name: str):
+        self.req, self.caller, self.key, self.text = req, caller, caller.name, text
         self.head = {
             "id": f"{self.prefix}-{uuid.uuid4().hex}",
             "object": self.kind,
@@ -124,8 +139,9 @@ class Turns:
     def __init__(self, backend):
         self.backend, self.worker = backend, backend.worker
 
-    def session(self, req, header: str | None) -> str | None:
-        """Check the request's model; the session it names (`session_id` or the header)."""
+    def session(self, req, header: str | None, request: Request) -> Caller:
+        """Check the request's model; who asks and the session it names (`session_id` or the
+        header)."""
         if req.model != self.backend.model_name:
             served = self.backend.model_name
             why = f"model {req.model!r} does not exist; this server serves {served!r}"
@@ -133,7 +149,8 @@ class Turns:
         if req.session_id is not None and header is not None and req.session_id != header:
             why = "session_id and the X-Session-Id header name different sessions"
             raise APIError(400, why, "session_id")
-        return req.session_id if req.session_id is not None else header
+        name = req.session_id if req.session_id is not None else header
+        return Caller(request.state.tenant, name)
 
     def sampling(self, req, prompt_len: int, asked: int | None, field: str) -> SamplingParams:
         """The turn's sampling, its budget `asked` (None: the server's default, within the
@@ -165,13 +182,14 @@ class Turns:
             stop_tokens=() if req.ignore_eos else self.backend.tokenizer.stop_tokens,
         )
 
-    def start(self, prompt, sampling, req, key, directives=()) -> Job:
+    def start(self, prompt, sampling, req, caller: Caller, directives=()) -> Job:
         """Hand the turn to the engine thread (429 when its queue is full, 503 when it is not
-        running)."""
+        running). A new session's lineage and salt are the caller's tenant's."""
         loop = asyncio.get_running_loop()
         mode = Mode[req.options.mode.upper()]
-        job = Job(prompt, sampling, mode, key, loop, asyncio.Queue(), list(directives))
-        job.move, job.lineage = req.options.move, req.options.lineage
+        job = Job(prompt, sampling, mode, caller.key, loop, asyncio.Queue(), list(directives))
+        job.move, job.lineage = req.options.move, auth.scoped(caller.tenant, req.options.lineage)
+        job.salt = auth.salt(caller.tenant, req.cache_salt)
         job.incremental = req.stream or bool(req.stops)  # else nothing to do before the end
         if not self.worker.alive:
             raise unavailable()
@@ -276,5 +294,5 @@ class Turns:
         if isinstance(e, ShuttingDown):
             return unavailable(str(e))
         if isinstance(e, (RequestError, ValueError, KeyError)):
-            return APIError(400, str(e), field, code="invalid_request")
+            return APIError(400, str(e), getattr(e, "param", field), code="invalid_request")
         return APIError(500, f"internal error: {type(e).__name__}: {e}", None, "server_error")

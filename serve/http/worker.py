@@ -17,7 +17,8 @@ import threading
 import time
 from pathlib import Path
 
-from serve.engine import Status, TurnCancelled
+from serve.engine import TurnCancelled
+from serve.http.auth import SaltChanged
 from serve.http.metrics import Metrics
 from serve.http.sessions import HttpSessions
 
@@ -49,6 +50,7 @@ class Job:
     directives: list = dataclasses.field(default_factory=list)  # in `prompt`'s coordinates
     move: bool = False  # MOVE for this turn (`Engine.submit_prompt`)
     lineage: str | None = None  # a new session's lineage (`Engine.open_session`)
+    salt: str = ""  # its radix cache's salt (`Engine.open_session`); the session's, if known
     incremental: bool = True  # tokens as each step samples them (else once, at the end)
     arrived: float = dataclasses.field(default_factory=time.perf_counter)
     request: object = None  # the engine's Request, once submitted
@@ -234,7 +236,7 @@ class EngineWorker:
         if sid is None:
             return KeyError(name)
         if any(j.sid == sid for j in self.jobs):
-            return SessionBusy(f"session {name!r} has a turn in flight")
+            return SessionBusy("the session has a turn in flight")
         self.engine.close_session(sid)
         self.sessions.drop(name)
         return None
@@ -242,10 +244,11 @@ class EngineWorker:
     def _submit(self, job: Job) -> None:
         eng = self.engine
         if job.cancelled:
-            self._end(job, ("error", TurnCancelled("the turn was cancelled")))
-            return
+            return self._end(job, ("error", TurnCancelled("the turn was cancelled")))
         known = None if job.session_key is None else self.sessions.engine_session(job.session_key)
-        job.sid = eng.open_session(lineage=job.lineage) if known is None else known
+        if known is not None and eng.sessions[known].salt != job.salt:
+            return self._end(job, ("error", SaltChanged()))
+        job.sid = eng.open_session(lineage=job.lineage, salt=job.salt) if known is None else known
         try:
             job.request = eng.submit_prompt(
                 job.sid,
@@ -259,8 +262,7 @@ class EngineWorker:
             if known is None:  # nothing of the session exists yet: do not keep an empty one
                 eng.close_session(job.sid)
                 job.sid = None
-            self._end(job, ("error", e))
-            return
+            return self._end(job, ("error", e))
         if known is None and job.session_key is not None:
             self.sessions.bind(job.session_key, job.sid)
         self.jobs.append(job)
@@ -275,11 +277,7 @@ class EngineWorker:
                 if r.error is None:
                     self.metrics.turn_done(job)
                 self._end(job, ("error", r.error) if r.error else ("done", r.stats))
-        running = sum(1 for j in self.jobs if j.request.status in (Status.PREFILL, Status.DECODE))
-        self.metrics.running.set(running)
-        self.metrics.queue_depth.set(len(self.jobs) - running)
-        self.metrics.free_pages.set(self.engine.pool.free_count())
-        self.metrics.sessions.set(len(self.engine.sessions))
+        self.metrics.gauges(self.engine, [j.request for j in self.jobs])
 
     def _end(self, job: Job, event) -> None:
         if job.done:
