@@ -282,6 +282,14 @@ def test_completions_text_and_token_ids(client):
          "tools.0.function.name"),
         ({"stream": "maybe"}, "stream"),
         ({"session_id": "snow\u2603man"}, "session_id"),  # it would be a response header
+        # nothing coerced: a string, a float or a boolean is not an integer, "false" no boolean
+        ({"max_tokens": "4"}, "max_tokens"),
+        ({"max_tokens": 4.0}, "max_tokens"),
+        ({"seed": True}, "seed"),
+        ({"stream": "false"}, "stream"),
+        ({"leyline": {"move": "yes"}}, "leyline.move"),
+        ({"leyline": {"directives": [{"messages": [0]}]}}, "leyline.directives.0.messages"),
+        ({"cache_salt": ""}, "cache_salt"),
     ],
 )  # fmt: skip
 def test_bad_chat_bodies_name_the_field(server, change, param):
@@ -290,6 +298,20 @@ def test_bad_chat_bodies_name_the_field(server, change, param):
     err = json.loads(raw)["error"]
     assert status == 400 and err["param"] == param, err
     assert err["type"] == "invalid_request_error" and err["message"]
+
+
+@pytest.mark.parametrize(
+    "prompt", [[True, False], [1.0, 2.0], "a\ud800b", [[True]], "too long"]
+)  # fmt: skip
+def test_bad_completion_prompts_name_the_prompt(server, prompt):
+    """Booleans and floats are not token ids; a lone surrogate is not text; a prompt longer
+    than the context names `prompt` (a 400 in OpenAI's shape, counted as such)."""
+    if prompt == "too long":
+        prompt = [1] * (server.backend.max_seq_len + 1)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
+    status, _, raw = post(server, "/v1/completions", json.dumps(body).encode())
+    err = json.loads(raw)["error"]
+    assert status == 400 and err["param"] == "prompt", err
 
 
 def test_bad_requests_through_the_client_and_raw(server, client):
@@ -570,7 +592,7 @@ def test_explicit_directives_splice_by_message(server, client, model, base_token
     [
         ([{"messages": [0, 9]}], "leyline.directives.0.messages"),
         ([{"messages": [1, 0]}], "leyline.directives.0.messages"),
-        ([{"messages": [0]}], "leyline.directives.0.messages.1"),
+        ([{"messages": [0]}], "leyline.directives.0.messages"),  # a pair: [first, last]
         ([{"messages": [0, 1]}, {"messages": [1, 1]}], "leyline.directives"),
         ([{"messages": [0, 0], "mode": "later"}], "leyline.directives.0.mode"),
         ([{"messages": [0, 0], "extra": 1}], "leyline.directives.0.extra"),

@@ -18,6 +18,7 @@ from fastapi import FastAPI
 from serve.http import admin, chat_completions, completions, errors
 from serve.http.auth import Authenticate
 from serve.http.backend import Backend
+from serve.http.limits import LimitBody
 from serve.http.metrics import CountRequests
 from serve.http.turn import Turns
 
@@ -32,7 +33,9 @@ def build_app(backend: Backend) -> FastAPI:
     if backend.snapshot_dir is not None:
         restore_sessions(backend)
     errors.install(app)
-    app.add_middleware(Authenticate, tenants=backend.tenants)
+    limits = dict(max_bytes=backend.max_body_bytes, timeout_s=backend.body_timeout_s)
+    app.add_middleware(LimitBody, **limits)
+    app.add_middleware(Authenticate, tenants=backend.tenants)  # before any body is read
     app.add_middleware(CountRequests, metrics=backend.metrics)  # outermost: counts 401s too
     turns = Turns(backend)
     admin.add_routes(app, backend)

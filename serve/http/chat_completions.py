@@ -13,6 +13,7 @@ the output are parsed back into `tool_calls`.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 from fastapi import Request
@@ -160,7 +161,8 @@ def add_route(app, turns: Turns) -> None:
         if (why := req.tool_choice_error()) is not None:
             raise APIError(400, why, "tool_choice")
         tok = backend.tokenizer
-        turn = render(req, caller.key, tok, backend.sessions)
+        # rendering and tokenizing off the event loop: a long history delays no other request
+        turn = await asyncio.to_thread(render, req, caller.key, tok, backend.sessions)
         sampling = turns.sampling(req, len(turn.final), *req.max_new)
         job = turns.start(turn.prompt, sampling, req, caller, turn.directives)
         markers = tool_markers(tok) if turn.use_tools else ()

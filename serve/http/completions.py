@@ -4,6 +4,8 @@ tokens, so an edited prompt is spliced."""
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import Request
 
 from serve.http.errors import APIError
@@ -60,7 +62,7 @@ def add_route(app, turns: Turns) -> None:
         caller = turns.session(req, x_session_id, request)
         tok = backend.tokenizer
         if isinstance(req.prompt, str):
-            prompt = tok.encode(req.prompt)
+            prompt = await asyncio.to_thread(tok.encode, req.prompt)  # off the event loop
             if not prompt:
                 raise APIError(400, "prompt: the text encodes to no token", "prompt")
         else:

@@ -84,3 +84,8 @@ def install(app) -> None:
         param = {404: "path", 405: "method"}.get(e.status_code, "body")
         headers = getattr(e, "headers", None)
         return APIError(e.status_code, str(e.detail), param, type_, headers=headers).response()
+
+    @app.exception_handler(Exception)
+    async def _bug(request, e: Exception):  # a bug: still OpenAI's shape, never plain text
+        why = f"internal error: {type(e).__name__}"
+        return APIError(500, why, None, "server_error").response()

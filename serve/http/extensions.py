@@ -19,7 +19,7 @@ SESSION_ID = dict(min_length=1, max_length=256, pattern=r"^[!-~]+$")
 class _Closed(BaseModel):
     """Our own objects: an unknown field is a mistake, reported by name."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class MessageDirective(_Closed):
@@ -32,7 +32,7 @@ class MessageDirective(_Closed):
     (`m[i]["content"] = replacement; del m[i + 1 : j + 1]`) so that its next request extends
     the session."""
 
-    messages: tuple[int, int]
+    messages: list[int] = Field(min_length=2, max_length=2)  # [first, last]
     replacement: str = Field("", max_length=1_000_000)
     mode: Literal["amortize", "forget"] | None = None
 

@@ -73,7 +73,7 @@ class CountRequests:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        status = {"code": 0}
+        status = {"code": 500}  # an exception before any answer is a 500
 
         async def send_(message):
             if message["type"] == "http.response.start":

@@ -1,6 +1,7 @@
 """The OpenAI-compatible request bodies `serve.http` accepts.
 
-Bodies are pydantic models: a field that fails validation becomes a 400 whose error names it
+Bodies are pydantic models in strict mode (nothing coerced: `"4"` or `4.0` is not an integer,
+`"false"` not a boolean): a field that fails validation becomes a 400 whose error names it
 (`error.param`, a dotted path such as `messages.1.role`). Fields of the OpenAI API the server
 does not use (`frequency_penalty`, `user`, `metadata`, ...) are accepted and ignored, as
 OpenAI-compatible servers do; fields whose meaning it cannot honour (`n` > 1, `logprobs`,
@@ -14,7 +15,7 @@ end-of-turn token.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -26,7 +27,7 @@ MAX_STOP = 4  # as OpenAI
 class _Open(BaseModel):
     """OpenAI's objects: unknown fields are accepted (and ignored)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 class FunctionCall(_Open):
@@ -165,6 +166,7 @@ class _Sampling(_Open):
 
 
 class ChatCompletionRequest(_Sampling):
+    prompt_field: ClassVar[str] = "messages"  # the field a prompt too long for the context is
     messages: list[Message] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -191,6 +193,7 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
+    prompt_field: ClassVar[str] = "prompt"
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
@@ -206,6 +209,11 @@ class CompletionRequest(_Sampling):
             v = v[0]
         if len(v) == 0:
             raise ValueError("the prompt is empty")
+        if isinstance(v, str) and not v.isascii():
+            try:
+                v.encode()
+            except UnicodeEncodeError as e:  # JSON can carry lone surrogates: not text
+                raise ValueError(f"the prompt is not text: {e.reason} at {e.start}") from e
         if isinstance(v, list) and any(t < 0 for t in v):
             raise ValueError("token ids must be >= 0")
         return v

@@ -4,6 +4,7 @@ of this process, for tests and benchmarks).
     python -m serve.http --model PATH|tiny|smollm2 [--port 8000] [--host 127.0.0.1]
         [--num-pages N] [--page-size N] [--max-seqs N] [--kv-dtype bf16|fp32] ...
         [--max-queue 64] [--warmup] [--list-shapes] [--compile-cache DIR|off]
+        [--max-body-bytes 16777216] [--body-timeout 30]
         [--snapshot-dir DIR] [--api-key KEY ...] [--api-keys-file FILE] [--admin-key KEY]
 
 The engine's flags and their defaults are `serve.engine.EngineConfig`'s.
@@ -24,6 +25,7 @@ from serve.engine import EngineConfig
 from serve.http.app import build_app, save_at_shutdown
 from serve.http.auth import Tenants
 from serve.http.backend import DEFAULT_MAX_TOKENS, Backend, load_backend
+from serve.http.limits import BODY_TIMEOUT_S, MAX_BODY_BYTES
 
 log = logging.getLogger("serve.http")
 
@@ -103,6 +105,12 @@ def parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--request-timeout", type=float, default=600.0)
     ap.add_argument(
+        "--max-body-bytes", type=int, default=MAX_BODY_BYTES, help="a larger body is a 413"
+    )
+    ap.add_argument(
+        "--body-timeout", type=float, default=BODY_TIMEOUT_S, help="seconds to send a body (408)"
+    )
+    ap.add_argument(
         "--warmup",
         action="store_true",
         help="compile every shape first, serving meanwhile (/health: 503 until done)",
@@ -154,6 +162,8 @@ def main(argv=None) -> None:
         mesh=args.mesh,
         default_max_tokens=args.max_tokens,
         request_timeout_s=args.request_timeout,
+        max_body_bytes=args.max_body_bytes,
+        body_timeout_s=args.body_timeout,
         snapshot_dir=args.snapshot_dir,
         tenants=tenants,
     )

@@ -161,7 +161,7 @@ class Turns:
             raise APIError(
                 400,
                 f"the prompt is {prompt_len} tokens; this model's context is {limit}",
-                "messages" if field != "prompt" else "prompt",
+                req.prompt_field,
                 code="context_length_exceeded",
             )
         if asked is None:
