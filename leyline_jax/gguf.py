@@ -19,6 +19,9 @@ from gguf import GGUFReader, GGUFValueType
 from gguf.gguf_reader import ReaderTensor
 from gguf.quants import dequantize
 
+from leyline_jax.hf_config import MAX_SIZE, is_int
+from leyline_jax.safetensors import CheckpointError
+
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
@@ -115,7 +118,7 @@ def _reader(path: str | os.PathLike[str]) -> GGUFReader:
     try:
         return GGUFReader(path)
     except (ValueError, IndexError) as e:
-        raise ValueError(f"{path} is not a readable GGUF file: {e}") from e
+        raise CheckpointError(f"{path} is not a readable GGUF file: {e}") from e
 
 
 def _metadata(reader: GGUFReader) -> dict[str, Any]:
@@ -144,12 +147,12 @@ def _open(path: str | os.PathLike[str]) -> tuple[GGUFReader, dict[str, Any]]:
     for label, names in (("missing", missing), ("unexpected", unexpected)):
         if names:
             shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
-            raise ValueError(f"{path}: {len(names)} {label} tensor(s) for {ARCH}: {shown}")
+            raise CheckpointError(f"{path}: {len(names)} {label} tensor(s) for {ARCH}: {shown}")
     for name, shape in expected.items():
         # ggml lists dimensions innermost first: reversed, they are numpy's (torch's) order.
         got = tuple(int(d) for d in reversed(have[name].shape))
         if got != shape:
-            raise ValueError(f"{path}: tensor {name} has shape {got}, expected {shape}")
+            raise CheckpointError(f"{path}: tensor {name} has shape {got}, expected {shape}")
     return reader, config
 
 
@@ -158,43 +161,58 @@ def _config(
 ) -> dict[str, Any]:
     arch = meta.get("general.architecture")
     if arch != ARCH:
-        raise ValueError(f"{path}: general.architecture is {arch!r}, only {ARCH!r} is supported")
+        why = f"general.architecture is {arch!r}, only {ARCH!r} is supported"
+        raise CheckpointError(f"{path}: {why}")
 
     def need(key: str) -> Any:
         if f"{ARCH}.{key}" not in meta:
-            raise ValueError(f"{path}: metadata key {ARCH}.{key} is missing")
+            raise CheckpointError(f"{path}: metadata key {ARCH}.{key} is missing")
         return meta[f"{ARCH}.{key}"]
 
+    def size(key: str, value=None) -> int:
+        v = need(key) if value is None else value
+        if not is_int(v) or not 1 <= v <= MAX_SIZE:
+            raise CheckpointError(f"{path}: {ARCH}.{key}={v!r} must be a positive integer")
+        return int(v)
+
+    def number(key: str, value=None) -> float:
+        v = need(key) if value is None else value
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < float("inf"):
+            raise CheckpointError(f"{path}: {ARCH}.{key}={v!r} must be a positive number")
+        return float(v)
+
     if meta.get(f"{ARCH}.expert_count", 0):
-        raise ValueError(f"{path}: mixture-of-experts {ARCH} GGUF files are not supported")
+        raise CheckpointError(f"{path}: mixture-of-experts {ARCH} GGUF files are not supported")
     if (scaling := meta.get(f"{ARCH}.rope.scaling.type", "none")) != "none":
-        raise ValueError(f"{path}: RoPE scaling {scaling!r} is not supported")
-    hidden, n_heads = need("embedding_length"), need("attention.head_count")
+        raise CheckpointError(f"{path}: RoPE scaling {scaling!r} is not supported")
+    hidden, n_heads = size("embedding_length"), size("attention.head_count")
+    kv = "attention.head_count_kv"
     head_dim = meta.get(f"{ARCH}.attention.key_length", hidden // n_heads)
     rope_dim = meta.get(f"{ARCH}.rope.dimension_count", head_dim)
     v_dim = meta.get(f"{ARCH}.attention.value_length", head_dim)
     if not rope_dim == v_dim == head_dim:
-        raise ValueError(
+        raise CheckpointError(
             f"{path}: key/value/rotary head sizes {head_dim}/{v_dim}/{rope_dim} differ; "
             "only full-rotary equal-size heads are supported"
         )
     vocab = meta.get(f"{ARCH}.vocab_size", n_tokens)  # older converters: the vocabulary's length
     if vocab is None:
-        raise ValueError(f"{path}: neither {ARCH}.vocab_size nor tokenizer.ggml.tokens is present")
+        why = f"neither {ARCH}.vocab_size nor tokenizer.ggml.tokens is present"
+        raise CheckpointError(f"{path}: {why}")
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "vocab_size": int(vocab),
-        "hidden_size": int(hidden),
-        "intermediate_size": int(need("feed_forward_length")),
-        "num_hidden_layers": int(need("block_count")),
-        "num_attention_heads": int(n_heads),
-        "num_key_value_heads": int(meta.get(f"{ARCH}.attention.head_count_kv", n_heads)),
-        "head_dim": int(head_dim),
+        "vocab_size": size("vocab_size", vocab),
+        "hidden_size": hidden,
+        "intermediate_size": size("feed_forward_length"),
+        "num_hidden_layers": size("block_count"),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": size(kv, meta.get(f"{ARCH}.{kv}", n_heads)),
+        "head_dim": size("attention.key_length", head_dim),
         "hidden_act": "silu",
-        "rope_theta": float(meta.get(f"{ARCH}.rope.freq_base", 10000.0)),
-        "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
-        "max_position_embeddings": int(need("context_length")),
+        "rope_theta": number("rope.freq_base", meta.get(f"{ARCH}.rope.freq_base", 10000.0)),
+        "rms_norm_eps": number("attention.layer_norm_rms_epsilon"),
+        "max_position_embeddings": size("context_length"),
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
     }

@@ -28,11 +28,14 @@ from flax import nnx
 
 from leyline_jax import kv_state as kv
 from leyline_jax import rope
-from leyline_jax.config import Bands, ConfigError, is_int, read_hf_config
+from leyline_jax.config import Bands, ConfigError, read_hf_config
+from leyline_jax.hf_config import integer, real
 from leyline_jax.layers import HFLeaves, Linear, hf_shapes, mlp_shapes
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
 MODEL_TYPES = ("llama",)
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+             "num_attention_heads")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,8 +60,7 @@ class GQAConfig:
             raise ConfigError(f"model_type={self.model_type!r} is not one of {MODEL_TYPES}")
         for name in (f.name for f in dataclasses.fields(self) if f.type == "int"):  # the sizes
             v = getattr(self, name)
-            if not is_int(v) or v < 1:
-                raise ConfigError(f"{name}={v!r} must be a positive integer")
+            integer(name, v)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -109,12 +111,16 @@ class GQAConfig:
         """From a `LlamaForCausalLM` `config.json` (directory, file or dict). Fields the model
         cannot honour (biases, RoPE scaling, a sliding window) raise `ConfigError` naming them."""
         hf = read_hf_config(path_or_dict)
-        if hf.get("model_type") not in MODEL_TYPES:
+        if not isinstance(hf, Mapping):
+            raise ConfigError(f"config.json must hold a JSON object, got {type(hf).__name__}")
+        if not isinstance(hf.get("model_type"), str) or hf["model_type"] not in MODEL_TYPES:
             raise ConfigError(f"model_type {hf.get('model_type')!r} is not one of {MODEL_TYPES}")
         for key in ("attention_bias", "mlp_bias"):
             if hf.get(key):
                 raise ConfigError(f"{key}=true is not supported")
         scaling = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+        if not isinstance(scaling, Mapping):
+            raise ConfigError(f"rope_scaling={scaling!r} must be a JSON object")
         kind = scaling.get("rope_type", scaling.get("type", "default"))
         if kind != "default":
             raise ConfigError(f"rope_scaling type {kind!r} is not supported (default RoPE only)")
@@ -124,26 +130,27 @@ class GQAConfig:
             raise ConfigError(f"hidden_act={act!r} is not supported (silu only)")
         if hf.get("pretraining_tp", 1) not in (1, None):
             raise ConfigError("pretraining_tp != 1 is not supported")
-        try:
-            n, h = int(hf["num_attention_heads"]), int(hf["hidden_size"])
-            return cls(
-                model_type=hf["model_type"],
-                vocab_size=int(hf["vocab_size"]),
-                hidden_size=h,
-                intermediate_size=int(hf["intermediate_size"]),
-                num_hidden_layers=int(hf["num_hidden_layers"]),
-                num_attention_heads=n,
-                num_key_value_heads=int(hf.get("num_key_value_heads") or n),
-                head_dim=int(hf.get("head_dim") or h // n),
-                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-                max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                rope_theta=float(theta),
-            )
-        except KeyError as e:
-            raise ConfigError(f"config.json lacks {e.args[0]!r}") from e
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"config.json has a bad value: {e}") from e
+        missing = [k for k in _REQUIRED if hf.get(k) is None]
+        if missing:
+            raise ConfigError(f"config.json lacks {missing[0]!r}")
+        n, h = integer("num_attention_heads", hf["num_attention_heads"]), hf["hidden_size"]
+        tie = hf.get("tie_word_embeddings", False)
+        if not isinstance(tie, bool):
+            raise ConfigError(f"tie_word_embeddings={tie!r} must be true or false")
+        return cls(
+            model_type=hf["model_type"],
+            vocab_size=hf["vocab_size"],
+            hidden_size=integer("hidden_size", h),
+            intermediate_size=hf["intermediate_size"],
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=n,
+            num_key_value_heads=hf.get("num_key_value_heads") or n,
+            head_dim=hf.get("head_dim") or h // n,
+            rms_norm_eps=real("rms_norm_eps", hf.get("rms_norm_eps", 1e-6), positive=True),
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            tie_word_embeddings=tie,
+            rope_theta=real("rope_theta", theta, positive=True),
+        )
 
 
 def gqa_attention(q, k, v, mask, scale: float, *, mass: bool = False):

@@ -46,11 +46,14 @@ def read_hf_config(path_or_dict: str | os.PathLike | Mapping[str, Any]) -> dict[
         path = os.path.join(path, "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no config.json at {path}")
-    with open(path) as f:
+    with open(path, encoding="utf-8") as f:
         try:
-            return json.load(f)
-        except json.JSONDecodeError as e:
+            hf = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{path} must hold a JSON object, got {type(hf).__name__}")
+    return hf
 
 
 # Where a config.json omits a field, transformers uses its config class default, and those
@@ -83,21 +86,30 @@ _FAMILY_DEFAULTS = {
 }
 
 
-def _integer(key: str, value, minimum: int) -> int:
-    if not is_int(value) or value < minimum:
-        raise ConfigError(f"{key}={value!r} must be an integer >= {minimum}")
+# the largest size or count a config may give (a larger one is a mistake, not a model)
+MAX_SIZE = 2**31 - 1
+
+
+def integer(key: str, value, minimum: int = 1) -> int:
+    """`value`, an integer in [minimum, MAX_SIZE] (nothing coerced), else ConfigError."""
+    if not is_int(value) or not minimum <= value <= MAX_SIZE:
+        shown = value if not is_int(value) or abs(int(value)) < 2**63 else "a huge integer"
+        raise ConfigError(f"{key}={shown!r} must be an integer in [{minimum}, {MAX_SIZE}]")
     return int(value)
 
 
-def _real(key: str, value, *, positive: bool = False) -> float:
+def real(key: str, value, *, positive: bool = False) -> float:
+    """`value`, a finite number (> 0 when `positive`; nothing coerced), else ConfigError."""
     ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+    if ok and is_int(value) and abs(value) > MAX_SIZE:
+        ok = False  # math.isfinite of a huge int overflows
     if not ok or not math.isfinite(value) or (positive and value <= 0):
         raise ConfigError(f"{key}={value!r} must be a finite number{' > 0' if positive else ''}")
     return float(value)
 
 
 def _optional_real(key: str, value) -> float | None:
-    return None if value is None else _real(key, value)
+    return None if value is None else real(key, value)
 
 
 class _HF:
@@ -108,7 +120,7 @@ class _HF:
         if not isinstance(hf, Mapping):
             raise ConfigError(f"config.json must hold a JSON object, got {type(hf).__name__}")
         self.family = hf.get("model_type")
-        if self.family not in FAMILIES:
+        if not isinstance(self.family, str) or self.family not in FAMILIES:
             raise ConfigError(f"unknown model_type {self.family!r}: supported are {FAMILIES}")
         self.d = {**_FAMILY_DEFAULTS[self.family], **hf}
 
@@ -118,10 +130,10 @@ class _HF:
     def need(self, key, minimum=1) -> int:
         if self.d.get(key) is None:
             raise ConfigError(f"{self.family} config.json is missing {key!r}")
-        return _integer(key, self.d[key], minimum)
+        return integer(key, self.d[key], minimum)
 
     def count(self, key, default, minimum=0) -> int:  # an integer where null / 0 is `default`
-        return _integer(key, self.d.get(key) or default, minimum)
+        return integer(key, self.d.get(key) or default, minimum)
 
     def refuse(self, key, ok, why) -> None:
         if self.d.get(key) is not None and not ok(self.d[key]):
@@ -158,9 +170,9 @@ def mla_fields(hf) -> dict[str, Any]:
         qk_nope_head_dim=r.need("qk_nope_head_dim"),
         qk_rope_head_dim=r.need("qk_rope_head_dim"),
         v_head_dim=r.need("v_head_dim"),
-        q_lora_rank=None if q_lora is None else _integer("q_lora_rank", q_lora, 1),
-        rms_norm_eps=_real("rms_norm_eps", r.get("rms_norm_eps", 1e-6), positive=True),
-        max_position_embeddings=_integer(
+        q_lora_rank=None if q_lora is None else integer("q_lora_rank", q_lora, 1),
+        rms_norm_eps=real("rms_norm_eps", r.get("rms_norm_eps", 1e-6), positive=True),
+        max_position_embeddings=integer(
             "max_position_embeddings", r.get("max_position_embeddings", 4096), 1
         ),
         tie_word_embeddings=bool(r.get("tie_word_embeddings", False)),
@@ -171,7 +183,7 @@ def mla_fields(hf) -> dict[str, Any]:
         n_routed_experts=r.count("n_routed_experts", 0),
         n_shared_experts=r.count("n_shared_experts", 0),
         num_experts_per_tok=r.count("num_experts_per_tok", 0),
-        routed_scaling_factor=_real(
+        routed_scaling_factor=real(
             "routed_scaling_factor", r.get("routed_scaling_factor", 1.0), positive=True
         ),
         num_mtp_layers=_mtp_layers(r),
@@ -196,9 +208,9 @@ def _rope(r: _HF) -> dict[str, Any]:
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         raise ConfigError("rope_parameters.partial_rotary_factor != 1 is not supported")
     if r.get("rope_theta") is not None:  # checked even where rope_parameters overrides it
-        _real("rope_theta", r.get("rope_theta"), positive=True)
+        real("rope_theta", r.get("rope_theta"), positive=True)
     theta = rope.get("rope_theta", r.get("rope_theta", 10000.0))
-    out = {"rope_theta": _real("rope_theta", theta, positive=True), "rope_type": rope_type}
+    out = {"rope_theta": real("rope_theta", theta, positive=True), "rope_type": rope_type}
     if rope_type != "yarn":
         return out
     omax = r.get("original_max_position_embeddings") or rope.get(
@@ -206,10 +218,10 @@ def _rope(r: _HF) -> dict[str, Any]:
     )
     factor = rope.get("factor")
     return out | dict(
-        rope_factor=None if factor is None else _real("rope factor", factor, positive=True),
-        rope_original_max_position_embeddings=_integer("original_max_position_embeddings", omax, 1),
-        rope_beta_fast=_real("beta_fast", rope.get("beta_fast") or 32),
-        rope_beta_slow=_real("beta_slow", rope.get("beta_slow") or 1),
+        rope_factor=None if factor is None else real("rope factor", factor, positive=True),
+        rope_original_max_position_embeddings=integer("original_max_position_embeddings", omax, 1),
+        rope_beta_fast=real("beta_fast", rope.get("beta_fast") or 32),
+        rope_beta_slow=real("beta_slow", rope.get("beta_slow") or 1),
         rope_mscale=_optional_real("mscale", rope.get("mscale")),
         rope_mscale_all_dim=_optional_real("mscale_all_dim", rope.get("mscale_all_dim")),
         rope_attention_factor=_optional_real("attention_factor", rope.get("attention_factor")),
@@ -253,7 +265,7 @@ def _routing(r: _HF) -> dict[str, Any]:
 def _mtp_layers(r: _HF) -> int:
     if r.family == "deepseek_v3":
         mtp = r.get("num_nextn_predict_layers", r.get("num_mtp_layers", 1))
-        return _integer("num_nextn_predict_layers", mtp or 0, 0)
+        return integer("num_nextn_predict_layers", mtp or 0, 0)
     if r.family == "glm4_moe_lite":
-        return _integer("num_nextn_predict_layers", r.get("num_nextn_predict_layers", 1) or 0, 0)
+        return integer("num_nextn_predict_layers", r.get("num_nextn_predict_layers", 1) or 0, 0)
     return 0

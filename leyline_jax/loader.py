@@ -76,7 +76,7 @@ _FAMILIES = {
 
 
 def _family(model_type):
-    if model_type not in _FAMILIES:
+    if not isinstance(model_type, str) or model_type not in _FAMILIES:
         raise ConfigError(f"unknown model_type {model_type!r}: supported are {sorted(_FAMILIES)}")
     return _FAMILIES[model_type]
 

@@ -48,7 +48,7 @@ def hf_tiny_tensors(tied: bool) -> dict[str, np.ndarray]:
     return {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
 
 
-def write_tiny(path, tensors, *, arch="llama", drop=()):
+def write_tiny(path, tensors, *, arch="llama", drop=(), heads=None):
     """A tiny GGUF as llama.cpp's converter writes it: GGUF names, Q/K rows permuted, F32."""
     t = TINY
     gguf_names = {v: k for k, v in lg._GLOBAL_NAMES.items()} | {
@@ -59,7 +59,7 @@ def write_tiny(path, tensors, *, arch="llama", drop=()):
     w.add_context_length(128)
     w.add_embedding_length(t["hidden"])
     w.add_feed_forward_length(t["inter"])
-    w.add_head_count(t["heads"])
+    w.add_head_count(t["heads"] if heads is None else heads)
     w.add_head_count_kv(t["kv_heads"])
     w.add_rope_dimension_count(t["head_dim"])
     w.add_rope_freq_base(500000.0)
@@ -130,6 +130,16 @@ def test_rejects_other_architecture(tmp_path):
 def test_rejects_missing_tensor(tmp_path):
     path = write_tiny(tmp_path / "t.gguf", hf_tiny_tensors(True), drop=("blk.1.ffn_up.weight",))
     with pytest.raises(ValueError, match=r"1 missing tensor\(s\) for llama: blk\.1\.ffn_up\."):
+        lg.read_gguf(path)
+
+
+@pytest.mark.parametrize("heads", [0, 3])
+def test_rejects_bad_sizes_as_checkpoint_errors(tmp_path, heads):
+    """A head count of 0 (a division by it, once) or one the head sizes disagree with."""
+    import leyline_jax as ll
+
+    path = write_tiny(tmp_path / "t.gguf", hf_tiny_tensors(True), heads=heads)
+    with pytest.raises(ll.CheckpointError, match="head_count=0" if heads == 0 else "differ"):
         lg.read_gguf(path)
 
 

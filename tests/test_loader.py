@@ -14,7 +14,7 @@ from safetensors.numpy import load_file, save_file
 import leyline_jax as ll
 from checkpoints import restore_params, save_params
 from checkpoints.tiny import write_random_checkpoint
-from leyline_jax.loader import convert_hf_params, hf_tensor_shapes
+from leyline_jax.loader import config_from_hf, convert_hf_params, hf_tensor_shapes
 
 
 @pytest.fixture
@@ -120,6 +120,40 @@ def test_unknown_model_type(ckpt):
     (ckpt / "config.json").write_text(json.dumps({**cfg, "model_type": "qwen3"}))
     with pytest.raises(ll.ConfigError, match="qwen3"):
         ll.load_model(ckpt)
+
+
+BIG = 10**400  # a JSON integer no size can be
+
+
+@pytest.mark.parametrize(
+    "family, text, match",
+    [
+        ("deepseek_v3", b"[]", "JSON object"),
+        ("deepseek_v3", b"null", "JSON object"),
+        ("deepseek_v3", b'{"model_type": "\xff"}', "not valid JSON"),
+        ("deepseek_v3", {"model_type": ["deepseek_v3"]}, "model_type"),
+        ("deepseek_v3", {"num_hidden_layers": BIG}, "num_hidden_layers"),
+        ("deepseek_v3", {"hidden_size": BIG}, "hidden_size"),
+        ("deepseek_v3", {"num_hidden_layers": "2"}, "num_hidden_layers"),
+        ("deepseek_v3", {"rope_theta": "1e4"}, "rope_theta"),
+        ("deepseek_v3", {"rope_theta": BIG}, "rope_theta"),
+        ("llama", {"num_hidden_layers": BIG}, "num_hidden_layers"),
+        ("llama", {"num_attention_heads": 0}, "num_attention_heads"),
+        ("llama", {"num_key_value_heads": [1]}, "num_key_value_heads"),
+        ("llama", {"intermediate_size": 4.0}, "intermediate_size"),
+        ("llama", {"rope_scaling": [1]}, "rope_scaling"),
+        ("llama", {"tie_word_embeddings": "yes"}, "tie_word_embeddings"),
+    ],
+)  # fmt: skip
+def test_every_malformed_config_is_a_config_error(tmp_path, family, text, match):
+    """Whatever a config.json holds, reading it raises ConfigError naming what is wrong (not
+    AttributeError, TypeError, UnicodeDecodeError or OverflowError); a dict is a change of the
+    family's tiny config."""
+    if isinstance(text, dict):
+        text = json.dumps({**ALL_CONFIGS[family], **text}).encode()
+    (tmp_path / "config.json").write_bytes(text)
+    with pytest.raises(ll.ConfigError, match=match):
+        config_from_hf(tmp_path)
 
 
 def test_missing_tensor(ckpt):
