@@ -23,6 +23,8 @@ A snapshot (`checkpoints.sessions`: atomic, crash-safe) holds two arrays and a J
 - `radix_pins`: each pinned prefix and how many `pin_prefix` calls hold it.
 - `lineage_trees`: each lineage's private tree (the KV its MOVE sessions hold past their clean
   prefix), whole: every root-to-leaf path.
+- `forgotten`: how many FORGETs of the log beside it (`serve.forgotten`) it reflects; a restore
+  applies the later ones to what it read.
 - `extra`: the caller's own JSON-able data, returned by `restore`.
 
 Format 1 snapshots (without pins, lineages and trees) are still read: their sessions come back
@@ -43,7 +45,7 @@ from checkpoints.layout import differences, layout
 from checkpoints.sessions import read_snapshot, write_snapshot
 from leyline_jax import allocator, paged
 from leyline_jax.loader import CheckpointError
-from serve import spans
+from serve import forgotten, spans
 from serve.engine import OWN_LINEAGE, Engine
 from serve.sampling import is_int
 
@@ -101,6 +103,7 @@ def save(engine: Engine, root: str | os.PathLike, extra: dict | None = None) -> 
         "prefixes": prefixes,
         "radix_pins": pins,
         "lineage_trees": trees,
+        "forgotten": len(forgotten.Log(root).records()),  # FORGETs this snapshot reflects
         "extra": {} if extra is None else extra,
     }
     return write_snapshot(root, {"moved": moved, "rotated": rotated}, meta)
@@ -113,7 +116,8 @@ def restore(engine: Engine, root: str | os.PathLike) -> dict | None:
     and adopted by a sequence: `Engine.restore_session`) and lineage: its clean prefix and the
     saved radix paths enter the radix cache, spliced KV does not. Refcounts are exact
     afterwards (one reference per page-table row and radix node holding a page); later
-    `open_session` ids do not collide. Returns the snapshot's `extra` ({} when it was saved
+    `open_session` ids do not collide. FORGETs logged after the snapshot are applied first
+    (`serve.forgotten.redact`). Returns the snapshot's `extra` ({} when it was saved
     without; None when there is no snapshot: the engine is untouched).
 
     Raises, before the engine changes: ValueError naming what differs for another layout
@@ -139,6 +143,8 @@ def restore(engine: Engine, root: str | os.PathLike) -> dict | None:
     if diffs:
         raise ValueError("the snapshot does not fit this engine: " + "; ".join(diffs))
     sessions, prefixes, pins, trees, moved, rotated = _parse(engine, meta, arrays)
+    later = forgotten.Log(root).since(meta.get("forgotten", 0))  # FORGETs after the snapshot
+    cut = forgotten.redact(later, sessions, prefixes, pins, trees)
     st = engine.state
     k, free = moved.shape[1], engine.pool.free_count()
     if k > free:
@@ -172,7 +178,10 @@ def restore(engine: Engine, root: str | os.PathLike) -> dict | None:
         for _ in range(p["count"]):
             engine.radix.pin(p["tokens"])
     engine.pool.release(pages)  # drop the loader's references
-    return meta.get("extra") or {}
+    extra = dict(meta.get("extra") or {})
+    if cut:
+        extra["forgotten_sessions"] = sorted(set(cut))
+    return extra
 
 
 def _parse(engine: Engine, meta: dict, arrays: dict) -> tuple:

@@ -161,7 +161,7 @@ def test_gqa_config_from_hf():
         ({"num_key_value_heads": 3}, "num_key_value_heads"),
         ({"head_dim": 15}, "head_dim"),
         ({"num_hidden_layers": 0}, "num_hidden_layers"),
-        ({"vocab_size": None}, "bad value"),
+        ({"vocab_size": None}, "vocab_size"),
     ],
 )
 def test_gqa_refusals_name_the_field(change, needle):

@@ -693,11 +693,11 @@ class Process:
                 time.sleep(0.2)
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
 
-    def turn(self, messages):
+    def turn(self, messages, session="durable", mode="amortize"):
         r = self.client.chat.completions.create(
             model=MODEL, messages=messages, max_tokens=4, temperature=0,
-            extra_headers={"X-Session-Id": "durable"},
-            extra_body={"leyline": {"return_token_ids": True}},
+            extra_headers={"X-Session-Id": session} if session else {},
+            extra_body={"leyline": {"return_token_ids": True, "mode": mode}},
         )  # fmt: skip
         return r, ids(r)["prompt_token_ids"], ids(r)["output_token_ids"]
 

@@ -80,6 +80,17 @@ class Engine:
     radix = property(lambda self: self.caches.radix)
 
     @property
+    def on_forget(self):
+        """Called on the engine's thread with each FORGET's record (`serve.forgotten.record`)
+        before the FORGET changes anything; an exception it raises fails that turn alone. A
+        server with a snapshot directory logs them there (`serve.forgotten.Log`)."""
+        return self.caches.on_forget
+
+    @on_forget.setter
+    def on_forget(self, fn) -> None:
+        self.caches.on_forget = fn
+
+    @property
     def state(self) -> ll.PagedKVState:
         return self.pool.state
 

@@ -21,6 +21,7 @@ import collections
 from collections.abc import Sequence
 
 from leyline_jax.directives import Directive, Mode
+from serve import forgotten
 from serve.engine.pool import Pool
 from serve.engine.types import Session
 from serve.radix import RadixCache
@@ -31,8 +32,10 @@ OWN_LINEAGE = "session:"
 
 
 class PrefixCaches:
-    def __init__(self, pool: Pool, enabled: bool):
+    def __init__(self, pool: Pool, enabled: bool, on_forget=None):
         self.pool, self.page_size = pool, pool.page_size
+        self.on_forget = on_forget  # called with each FORGET's record (`serve.forgotten`)
+        self._reported = None  # the last record reported (a batch is purged more than once)
         self.enabled = enabled
         self.shared: dict[str, RadixCache] = {}  # salt -> its radix cache ("": no salt)
         self.radix = self.tree("")  # the unsalted radix cache (None: no radix cache)
@@ -124,16 +127,29 @@ class PrefixCaches:
         return None
 
     # ---- what leaves ---------------------------------------------------------------------------
-    def purge(self, s: Session, ds: Sequence[Directive]) -> None:
+    def purge(self, s: Session, ds: Sequence[Directive], sessions: dict) -> None:
         """A batch with a FORGET: both trees forget the path of `s.tokens` (before the edit)
-        from the first FORGET start on; pages nobody else holds are zeroed. Idempotent."""
+        from the first FORGET start on; pages nobody else holds are zeroed; other sessions
+        (`sessions`) of its lineage still holding purged pages of its private tree become
+        `foreign` (their KV is never cached for the lineage again); `on_forget` gets the
+        FORGET's record. Idempotent."""
         forget = [d for d in ds if d.mode is Mode.FORGET]
         if not forget:
             return
+        start = min(d.start for d in forget)
+        rec = forgotten.record(s, start, self.page_size)
+        if self.on_forget is not None and rec != self._reported:
+            self.on_forget(rec)  # first: a log that cannot be written stops the FORGET
+            self._reported = rec
         shared = self.tree(s.salt) if self.enabled else None
         for tree in (shared, self.private.get(s.lineage)):
             if tree is not None:
-                self.pool.release(tree.purge(list(s.tokens), forget[0].start), zero=True)
+                pages = tree.purge(list(s.tokens), start)
+                self.pool.release(pages, zero=True)
+                held = {p for p in pages if self.pool.state.refcount[p] > 0}
+                for other in sessions.values() if held and tree is not shared else ():
+                    if other.lineage == s.lineage and other.seq is not None:
+                        other.foreign |= bool(held & set(self.pool.seq_pages(other.seq)))
 
     def evict(self, want: int) -> int:
         """Evict up to `want` pages only the trees hold, least recently used leaves first

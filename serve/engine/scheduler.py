@@ -106,7 +106,7 @@ class Scheduler:
         if kvp is not None and kvp.kept == 0:
             # nothing of the cached KV survives the edit: the session's KV starts again
             self.table.offload(s)
-            self.caches.purge(s, plan.directives)
+            self.caches.purge(s, plan.directives, self.table.sessions)
             kvp = None
         first = kvp.splices[0].start if kvp is not None and kvp.splices else None
         ps = self.pool.page_size

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from fastapi import FastAPI
 
+from serve import forgotten
 from serve.http import admin, chat_completions, completions, errors
 from serve.http.auth import Authenticate
 from serve.http.backend import Backend
@@ -32,6 +33,8 @@ def build_app(backend: Backend) -> FastAPI:
     app.state.backend = backend
     if backend.snapshot_dir is not None:
         restore_sessions(backend)
+        # every FORGET logged beside the snapshots: an older snapshot never brings it back
+        backend.worker.engine.on_forget = forgotten.Log(backend.snapshot_dir).append
     errors.install(app)
     limits = dict(max_bytes=backend.max_body_bytes, timeout_s=backend.body_timeout_s)
     app.add_middleware(LimitBody, **limits)

@@ -67,6 +67,8 @@ def render(req: ChatCompletionRequest, key: str | None, tok, sessions) -> Turn:
         final = chat.render(tok, edited, tools) if mds else r
     except (KeyError, ValueError, TypeError) as e:
         raise APIError(400, f"messages: cannot render: {e}", "messages") from e
+    if key is not None and "forget" in {req.options.mode, *(d.mode for d in mds)}:
+        sessions.keep_replies(key, edited)  # a reply it evicts is remembered no more
     prompt = sessions.substitute(key, messages, r)
     ds = []
     if mds:

@@ -36,13 +36,18 @@ class MessageDirective(_Closed):
     replacement: str = Field("", max_length=1_000_000)
     mode: Literal["amortize", "forget"] | None = None
 
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _pair(cls, v):  # a tuple from Python code is a pair too (JSON has none)
+        return list(v) if isinstance(v, tuple) else v
+
     @field_validator("messages")
     @classmethod
     def _range(cls, v):
         i, j = v
         if i < 0 or j < i:
             raise ValueError("need 0 <= first <= last (message indices, inclusive)")
-        return v
+        return tuple(v)
 
 
 class LeylineOptions(_Closed):

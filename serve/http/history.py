@@ -41,6 +41,11 @@ class ReplyMemory:
     def forget(self, session: str) -> None:
         self._by_session.pop(session, None)
 
+    def keep(self, session: str, texts: set[str]) -> None:
+        """Forget the session's replies whose text is not in `texts` (after a FORGET)."""
+        if session in self._by_session:
+            self._by_session[session] = [r for r in self._by_session[session] if r[0] in texts]
+
     def export(self) -> dict[str, list[tuple[str, list[int]]]]:
         """Everything remembered (a snapshot's part), oldest session first."""
         return {k: [(t, list(i)) for t, i in v] for k, v in self._by_session.items()}

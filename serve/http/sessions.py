@@ -46,6 +46,12 @@ class HttpSessions:
         with self._lock:
             return self.context.apply(name, messages, edit)
 
+    def keep_replies(self, name: str, messages: list[dict]) -> None:
+        """A FORGET turn: forget the session's remembered replies `messages` no longer hold."""
+        texts = {m["content"] for m in messages if m["role"] == "assistant"}
+        with self._lock:
+            self.replies.keep(name, texts)
+
     def drop(self, name: str) -> None:
         """Forget everything of session `name` (it was closed)."""
         with self._lock:
@@ -64,10 +70,14 @@ class HttpSessions:
             }
 
     def load(self, extra: dict) -> dict[str, int]:
-        """Take a snapshot's `export` back; the names and their engine sessions."""
+        """Take a snapshot's `export` back (without the replies of sessions a later FORGET
+        cut: `serve.forgotten`); the names and their engine sessions."""
         with self._lock:
             self._engine = {str(k): int(v) for k, v in extra.get("http_sessions", {}).items()}
             self.replies.load(extra.get("replies", {}))
+            cut = set(extra.get("forgotten_sessions", ()))
+            for name in [k for k, sid in self._engine.items() if sid in cut]:
+                self.replies.forget(name)
             cleared = extra.get("cleared", {})
             self.context.cleared = {str(k): set(v) for k, v in cleared.items()}
             return dict(self._engine)
