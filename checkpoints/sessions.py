@@ -4,7 +4,8 @@ root directory so that a crash at any moment leaves the last good snapshot reada
 On disk, under `root`:
 
     snapshot-000012/        the current snapshot: the highest-numbered `snapshot-N`
-      snapshot.json         format version, each array's shape / dtype / crc32, the meta
+      snapshot.json         format version, each array's shape / dtype / crc32, the meta and
+                            its SHA-256 (a changed meta is a damaged snapshot, not a lie)
       arrays/               the arrays that hold data, one orbax StandardCheckpointer tree
     .tmp-snapshot-000013/   a write in progress, or what a write that died left
     .lock                   held (flock) exclusively by a writer, shared by readers
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import math
 import os
@@ -47,7 +49,7 @@ import orbax.checkpoint as ocp
 
 from leyline_jax.loader import CheckpointError
 
-FORMAT = 1  # the layout of snapshot.json and arrays/ described above
+FORMAT = 2  # the layout of snapshot.json and arrays/ described above (1: no meta checksum)
 META_FILE = "snapshot.json"
 ARRAYS_DIR = "arrays"
 LOCK_FILE = ".lock"
@@ -79,7 +81,8 @@ def write_snapshot(
     if not isinstance(meta, Mapping):
         raise ValueError(f"meta must be a dict, got {type(meta).__name__}")
     try:
-        text = json.dumps({"format": FORMAT, "arrays": manifest, "meta": dict(meta)})
+        doc = {"format": FORMAT, "arrays": manifest, "meta": dict(meta)}
+        text = json.dumps(doc | {"meta_sha256": _digest(doc["meta"])})
     except (TypeError, ValueError) as e:
         raise ValueError(f"meta must be JSON-able: {e}") from e
     root.mkdir(parents=True, exist_ok=True)
@@ -99,18 +102,24 @@ def write_snapshot(
     return done
 
 
-def read_snapshot(root: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict] | None:
+def read_snapshot(
+    root: str | os.PathLike, max_bytes: int | None = None
+) -> tuple[dict[str, np.ndarray], dict] | None:
     """The current snapshot under `root` as (arrays, meta), or None when there is none (no
     root, or no complete snapshot: leftovers of interrupted writes are ignored). Raises
     CheckpointError naming the snapshot and what is wrong when the current one is damaged
-    (unreadable or malformed snapshot.json, another format, missing or corrupt array data:
-    every array's shape, dtype and crc32 are checked against the manifest)."""
+    (unreadable or malformed snapshot.json, another format, a meta that does not match its
+    SHA-256, arrays the manifest makes larger than `max_bytes` in all (default: this machine's
+    memory; checked before anything is allocated), missing or corrupt array data: every
+    array's shape, dtype and crc32 are checked against the manifest)."""
     root = Path(root).absolute()
     if not root.is_dir():
         return None
+    if max_bytes is None:
+        max_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     with _locked(root, exclusive=False):
         current = _current(root)
-        return None if current is None else _read(current)
+        return None if current is None else _read(current, max_bytes)
 
 
 # ---- the writer's steps (each one a function, so a test can interrupt any of them) -----------
@@ -155,6 +164,11 @@ def _clear_leftovers(root: Path) -> None:
 
 
 # ---- helpers ----------------------------------------------------------------------------------
+def _digest(meta: dict) -> str:
+    """SHA-256 of the meta's canonical JSON (what a read recomputes)."""
+    return hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()
+
+
 def _crc(a: np.ndarray) -> int:
     return zlib.crc32(np.ascontiguousarray(a).view(np.uint8).reshape(-1).data) if a.size else 0
 
@@ -211,7 +225,7 @@ def _damaged(path: Path, what: str) -> CheckpointError:
     return CheckpointError(f"snapshot {path} is damaged: {what}")
 
 
-def _read(path: Path) -> tuple[dict[str, np.ndarray], dict]:
+def _read(path: Path, max_bytes: int) -> tuple[dict[str, np.ndarray], dict]:
     try:
         doc = json.loads((path / META_FILE).read_text())
     except (OSError, ValueError) as e:
@@ -222,6 +236,8 @@ def _read(path: Path) -> tuple[dict[str, np.ndarray], dict]:
         raise CheckpointError(
             f"snapshot {path} has format {doc.get('format')!r}; this version reads {FORMAT}"
         )
+    if doc.get("meta_sha256") != _digest(doc["meta"]):
+        raise _damaged(path, "its meta does not match its SHA-256 (changed after it was written)")
     manifest = doc.get("arrays")
     if not isinstance(manifest, dict):
         raise _damaged(path, f"{META_FILE} holds no array manifest")
@@ -231,9 +247,14 @@ def _read(path: Path) -> tuple[dict[str, np.ndarray], dict]:
             shape = tuple(int(d) for d in entry["shape"])
             dtype = jnp.dtype(entry["dtype"])
             crc = int(entry["crc32"])
+            if min(shape, default=0) < 0:
+                raise ValueError("a negative dimension")
         except (KeyError, TypeError, ValueError) as e:
             raise _damaged(path, f"the manifest entry of array {name!r} is malformed") from e
         specs[name] = (shape, dtype, crc)
+    size = sum(math.prod(s) * d.itemsize for s, d, _ in specs.values())
+    if size > max_bytes:
+        raise _damaged(path, f"its manifest declares {size} bytes of arrays, over {max_bytes}")
     stored = {k: np.zeros(s, d) for k, (s, d, _) in specs.items() if math.prod(s)}
     got = {}
     if stored:

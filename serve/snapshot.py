@@ -38,16 +38,19 @@ nothing cached. Radix paths are taken along the whole token list either way.
 
 from __future__ import annotations
 
+import functools
+import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from checkpoints.layout import differences, layout
 from checkpoints.sessions import read_snapshot, write_snapshot
-from leyline_jax import allocator, paged
+from leyline_jax import paged
 from leyline_jax.loader import CheckpointError
-from serve import forgotten, spans
-from serve.engine import OWN_LINEAGE, Engine
-from serve.sampling import is_int
+from serve import forgotten
+from serve import snapshot_records as records
+from serve.engine import Engine
 
 FORMAT = 2  # the meta's layout described above (1: without pins, lineages and trees)
 
@@ -58,6 +61,15 @@ def save(engine: Engine, root: str | os.PathLike, extra: dict | None = None) -> 
     steps; the engine is not changed (pages are read from the device, nothing is donated).
     `extra`: JSON-able data stored beside the sessions (ValueError otherwise, before anything
     is written). Returns the snapshot's directory."""
+    return capture(engine, root, extra)()
+
+
+def capture(
+    engine: Engine, root: str | os.PathLike, extra: dict | None = None
+) -> Callable[[], Path]:
+    """`save` in two steps: what the engine holds, read now (between steps: its pages copied to
+    the host), and the function that writes it, which any thread may call while the engine
+    steps on (the server's snapshots do, off the engine's thread)."""
     if extra is not None and not isinstance(extra, dict):
         raise ValueError(f"extra must be a dict or None, got {type(extra).__name__}")
     st = engine.state
@@ -106,7 +118,7 @@ def save(engine: Engine, root: str | os.PathLike, extra: dict | None = None) -> 
         "forgotten": len(forgotten.Log(root).records()),  # FORGETs this snapshot reflects
         "extra": {} if extra is None else extra,
     }
-    return write_snapshot(root, {"moved": moved, "rotated": rotated}, meta)
+    return functools.partial(write_snapshot, root, {"moved": moved, "rotated": rotated}, meta)
 
 
 def restore(engine: Engine, root: str | os.PathLike) -> dict | None:
@@ -128,7 +140,9 @@ def restore(engine: Engine, root: str | os.PathLike) -> dict | None:
         raise ValueError(
             f"restore needs a fresh engine; this one has {len(engine.sessions)} sessions"
         )
-    snap = read_snapshot(root)
+    pools, free = engine.state.pools, engine.pool.free_count()
+    page = sum(math.prod(p.shape[1:]) * p.dtype.itemsize for p in (*pools.moved, *pools.rotated))
+    snap = read_snapshot(root, max_bytes=page * free + (1 << 20))  # what the pool can take
     if snap is None:
         return None
     arrays, meta = snap
@@ -142,7 +156,7 @@ def restore(engine: Engine, root: str | os.PathLike) -> dict | None:
     diffs = differences(saved, layout(engine.model, engine.state.pools))
     if diffs:
         raise ValueError("the snapshot does not fit this engine: " + "; ".join(diffs))
-    sessions, prefixes, pins, trees, moved, rotated = _parse(engine, meta, arrays)
+    sessions, prefixes, pins, trees, moved, rotated = records.parse(engine, meta, arrays)
     later = forgotten.Log(root).since(meta.get("forgotten", 0))  # FORGETs after the snapshot
     cut = forgotten.redact(later, sessions, prefixes, pins, trees)
     st = engine.state
@@ -182,119 +196,3 @@ def restore(engine: Engine, root: str | os.PathLike) -> dict | None:
     if cut:
         extra["forgotten_sessions"] = sorted(set(cut))
     return extra
-
-
-def _parse(engine: Engine, meta: dict, arrays: dict) -> tuple:
-    """The snapshot's sessions, prefixes, radix pins, lineage trees and pages, checked
-    (CheckpointError when malformed); format 1's missing fields take their defaults."""
-    moved, rotated = arrays.get("moved"), arrays.get("rotated")
-    pools = engine.state.pools
-    for name, a, pool in (("moved", moved, pools.moved[0]), ("rotated", rotated, pools.rotated[0])):
-        if (
-            a is None
-            or a.ndim < 2
-            or a.shape[0] != pools.num_layers
-            or a.shape[2:] != pool.shape[1:]
-        ):
-            raise CheckpointError(f"the snapshot's {name} pages do not have the layout's shape")
-        if a.dtype != pool.dtype or a.shape[1] != moved.shape[1]:
-            raise CheckpointError(
-                f"the snapshot's {name} pages: dtype {a.dtype}, {a.shape[1]} pages"
-            )
-    r = _Records(moved.shape[1], engine.model.config.vocab_size, engine.page_size)
-    sessions = r.check(meta.get("sessions"), r.session, "session")
-    prefixes = r.check(meta.get("prefixes"), r.prefix, "prefix")
-    pins = r.check(meta.get("radix_pins", []), r.pin, "radix pin")
-    trees = r.check(meta.get("lineage_trees", []), r.tree, "lineage tree")
-    return sessions, prefixes, pins, trees, moved, rotated
-
-
-class _Records:
-    """Checks of a snapshot's records against its `k` saved pages, the vocabulary and the page
-    size (each fills in what format 1 lacks)."""
-
-    def __init__(self, k: int, vocab: int, page_size: int):
-        self.k, self.vocab, self.ps, self.ids = k, vocab, page_size, set()
-
-    @staticmethod
-    def check(records, ok, what: str) -> list:
-        if not isinstance(records, list):
-            raise CheckpointError(f"the snapshot holds no {what} list")
-        for rec in records:
-            if not ok(rec):
-                raise CheckpointError(
-                    f"a malformed {what} record in the snapshot: {str(rec)[:200]}"
-                )
-        return records
-
-    @staticmethod
-    def ints(v, hi: int) -> bool:
-        return isinstance(v, list) and all(is_int(x) and 0 <= x < hi for x in v)
-
-    def path(self, p) -> bool:
-        return (
-            isinstance(p, dict)
-            and self.ints(p.get("tokens"), self.vocab)
-            and self.ints(p.get("pages"), self.k)
-            and len(p["tokens"]) == len(p["pages"]) * self.ps
-        )
-
-    def session(self, r) -> bool:
-        if not isinstance(r, dict) or not is_int(r.get("id")) or r["id"] < 0 or r["id"] in self.ids:
-            return False
-        self.ids.add(r["id"])
-        own = f"{OWN_LINEAGE}{r['id']}"
-        defaults = {"pins": [], "lineage": own, "private": False, "foreign": False, "salt": ""}
-        for key, default in defaults.items():
-            r.setdefault(key, default)
-        return (
-            self.ints(r.get("tokens"), self.vocab)
-            and is_int(r.get("cached"))
-            and is_int(r.get("clean"))
-            and 0 <= r["clean"] <= r["cached"] <= len(r["tokens"])
-            and self.ints(r.get("pages"), self.k)
-            and len(r["pages"]) == allocator.pages_for(r["cached"], self.ps)
-            and len(set(r["pages"])) == len(r["pages"])
-            and _spans(r["pins"], len(r["tokens"]))
-            and isinstance(r["lineage"], str)
-            and (r["lineage"] == own or not r["lineage"].startswith(OWN_LINEAGE))
-            and isinstance(r["private"], bool)
-            and isinstance(r["foreign"], bool)
-            and isinstance(r["salt"], str)
-        )
-
-    def prefix(self, p) -> bool:
-        if not self.path(p):
-            return False
-        lineages = p.setdefault("lineages", [None] * len(p["pages"]))
-        return (
-            isinstance(p.setdefault("salt", ""), str)
-            and isinstance(lineages, list)
-            and len(lineages) == len(p["pages"])
-            and all(x is None or isinstance(x, str) for x in lineages)
-        )
-
-    def pin(self, p) -> bool:
-        return (
-            isinstance(p, dict)
-            and self.ints(p.get("tokens"), self.vocab)
-            and len(p["tokens"]) % self.ps == 0
-            and is_int(p.get("count"))
-            and p["count"] >= 1
-        )
-
-    def tree(self, t) -> bool:
-        return (
-            isinstance(t, dict)
-            and isinstance(t.get("lineage"), str)
-            and isinstance(t.get("paths"), list)
-            and all(self.path(p) for p in t["paths"])
-        )
-
-
-def _spans(pins, length: int) -> bool:
-    try:
-        spans.check_spans([tuple(p) for p in pins], length, "pinned span")
-    except (TypeError, ValueError):
-        return False
-    return True

@@ -88,3 +88,41 @@ def test_a_half_sent_body_is_408_within_its_timeout_and_health_answers(server):
     status, took = got["answer"]
     assert status == 408 and took < 5  # the timeout is 1 s
     assert got["health_ms"] < 1000
+
+
+def test_a_snapshot_is_written_off_the_engine_thread(tmp_path, monkeypatch):
+    """While a snapshot's files are being written (made slow here), turns keep running and
+    `/health` answers; the snapshot then completes. Written on the engine's thread (the
+    failing case, `EngineWorker.snapshot` without its answer), the turn would wait for it."""
+    import checkpoints.sessions as files
+
+    slow = files._write_meta
+
+    def write_meta(path, text):
+        time.sleep(3)
+        slow(path, text)
+
+    monkeypatch.setattr(files, "_write_meta", write_meta)
+    root = tmp_path / "ckpt"
+    model = ll.load_model(ensure_default_checkpoints(root)["deepseek_v3"])
+    engine = Engine(model, num_pages=64, page_size=16, max_seqs=2, kv_dtype=jnp.float32)
+    backend = Backend.for_engine(engine, chat.ChatTokenizer(), "tiny")
+    backend.snapshot_dir = str(tmp_path / "snaps")
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 1}
+    with ServerThread(backend) as srv:
+        data = json.dumps(body).encode()
+        assert raw(srv, head(len(data)), data, wait=120)[0] == 200  # compiled, warm
+        got = {}
+
+        def snap():
+            got["snapshot"] = raw(srv, b"POST /v1/snapshot HTTP/1.1\r\nHost: x\r\n"
+                                  b"Content-Length: 0\r\n\r\n", wait=60)  # fmt: skip
+
+        t = threading.Thread(target=snap)
+        t.start()
+        time.sleep(0.5)
+        status, took = raw(srv, head(len(data)), data, wait=60)
+        assert status == 200 and took < 2.5, took  # the write takes 3 s
+        assert health_ms(srv) < 1000
+        t.join(60)
+        assert got["snapshot"][0] == 200 and got["snapshot"][1] >= 3

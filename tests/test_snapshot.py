@@ -18,6 +18,7 @@ interrupted in process; the previous snapshot stays readable, and the next write
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -695,15 +696,46 @@ def damage(root: Path, how: str) -> None:
         doc = json.loads(meta.read_text())
         doc["format"] = 99
         meta.write_text(json.dumps(doc))
+    elif how == "changed_meta":  # one value of the meta: its SHA-256 no longer matches
+        doc = json.loads(meta.read_text())
+        doc["meta"]["n"] += 1
+        meta.write_text(json.dumps(doc))
+    elif how == "huge_shape":  # refused before anything is allocated (no MemoryError)
+        doc = json.loads(meta.read_text())
+        doc["arrays"]["f32"]["shape"] = [10**6, 10**6, 10**6]
+        meta.write_text(json.dumps(doc))
 
 
 @pytest.mark.parametrize(
     "how",
-    ["garbage_meta", "no_meta", "no_arrays", "flipped_byte", "truncated", "wrong_crc", "format"],
-)
+    ["garbage_meta", "no_meta", "no_arrays", "flipped_byte", "truncated", "wrong_crc", "format",
+     "changed_meta", "huge_shape"],
+)  # fmt: skip
 def test_a_damaged_snapshot_is_a_checkpoint_error(tmp_path, how):
     arrays = {"big": np.random.default_rng(0).standard_normal(1 << 16).astype(np.float32)}
     write_snapshot(tmp_path, {**arrays, **small(1)}, {"n": 1})
     damage(tmp_path, how)
     with pytest.raises(CheckpointError, match="snapshot-000001"):
         read_snapshot(tmp_path)
+
+
+@pytest.mark.parametrize("how", ["token", "swapped_pages"])
+def test_a_tampered_session_snapshot_is_refused(model, saved, tmp_path, how):
+    """One token id changed, or two sessions' page lists swapped (each would run on the
+    other's KV): the meta's SHA-256 no longer matches, and the engine is left untouched."""
+    root = tmp_path / "tampered"
+    shutil.copytree(saved[0], root)
+    meta = next(root.glob("snapshot-*")) / snapfiles.META_FILE
+    doc = json.loads(meta.read_text())
+    a, b = doc["meta"]["sessions"][:2]
+    if how == "token":
+        a["tokens"][3] = (a["tokens"][3] + 1) % 256
+    else:
+        a["pages"], b["pages"] = b["pages"], a["pages"]
+    meta.write_text(json.dumps(doc))
+    e = make_engine(model)
+    free = e.pool.free_count()
+    with pytest.raises(CheckpointError, match="SHA-256"):
+        snapshot.restore(e, root)
+    assert not e.sessions and e.pool.free_count() == free
+    assert snapshot.restore(make_engine(model), saved[0]) is not None  # untampered: restored

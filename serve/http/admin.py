@@ -13,9 +13,10 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from serve.http.auth import scoped
+from serve.http.commands import Answer, Close, Snapshot
 from serve.http.errors import APIError, unavailable
 from serve.http.extensions import SESSION_ID
-from serve.http.worker import Answer, Close, SessionBusy, Snapshot
+from serve.http.worker import SessionBusy
 
 
 async def engine_call(worker, make) -> object:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from serve.engine import TurnCancelled
 from serve.http.auth import SaltChanged
+from serve.http.commands import Answer, Cancel, Close, Snapshot, Submit, Wake, call_soon
 from serve.http.metrics import Metrics
 from serve.http.sessions import HttpSessions
 
@@ -60,57 +61,7 @@ class Job:
     done: bool = False
 
     def post(self, *event) -> None:
-        _call_soon(self.loop, self.events.put_nowait, event)
-
-
-def _call_soon(loop, fn, *args) -> None:
-    try:
-        loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:  # the event loop is gone (shutdown)
-        pass
-
-
-@dataclasses.dataclass
-class Answer:
-    """Where a command's result goes: a future of the event loop that waits for it."""
-
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future
-
-    def __call__(self, result) -> None:
-        def set_():
-            if not self.future.done():
-                self.future.set_result(result)
-
-        _call_soon(self.loop, set_)
-
-
-# ---- the commands ----------------------------------------------------------------------------
-@dataclasses.dataclass
-class Submit:
-    job: Job
-
-
-@dataclasses.dataclass
-class Cancel:
-    job: Job
-
-
-@dataclasses.dataclass
-class Close:
-    name: str
-    answer: Answer  # None, KeyError (no such session) or SessionBusy
-
-
-@dataclasses.dataclass
-class Snapshot:
-    root: str
-    answer: Answer  # (its directory, how many HTTP sessions), or the error
-
-
-@dataclasses.dataclass
-class Wake:
-    pass
+        call_soon(self.loop, self.events.put_nowait, event)
 
 
 class EngineWorker:
@@ -155,14 +106,26 @@ class EngineWorker:
             job.cancelled = True
             self.commands.put(Cancel(job))
 
-    def snapshot(self, root) -> tuple[Path, int]:
-        """Save the engine's sessions under `root` (`serve.snapshot.save`) with the HTTP
-        sessions' own state; (its directory, how many HTTP sessions). On the engine thread
-        between steps, or once it stopped."""
+    def snapshot(self, root, answer: Answer | None = None) -> tuple[Path, int] | None:
+        """Save the engine's sessions under `root` with the HTTP sessions' own state; (its
+        directory, how many HTTP sessions). On the engine thread between steps, or once it
+        stopped. With `answer`: captured now (`serve.snapshot.capture`), written on a thread
+        of its own while the engine steps on, the result to `answer`."""
         from serve import snapshot
 
         extra = self.sessions.export()
-        return snapshot.save(self.engine, root, extra), len(extra["http_sessions"])
+        write, n = snapshot.capture(self.engine, root, extra), len(extra["http_sessions"])
+        if answer is None:
+            return write(), n
+
+        def run():
+            try:
+                answer((write(), n))
+            except Exception as e:
+                answer(e)
+
+        threading.Thread(target=run, name="leyline-snapshot").start()
+        return None
 
     # -- the engine thread --------------------------------------------------------------------
     def _run(self) -> None:
@@ -223,7 +186,7 @@ class EngineWorker:
                 case Close(name, answer):
                     answer(self._close(name))
                 case Snapshot(root, answer):
-                    answer(self.snapshot(root))
+                    self.snapshot(root, answer)
         except Exception as e:
             log.exception("command %s failed", type(cmd).__name__)
             if isinstance(cmd, (Close, Snapshot)):
