@@ -9,6 +9,7 @@ import json
 import socket
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import jax.numpy as jnp
@@ -126,3 +127,68 @@ def test_a_snapshot_is_written_off_the_engine_thread(tmp_path, monkeypatch):
         assert health_ms(srv) < 1000
         t.join(60)
         assert got["snapshot"][0] == 200 and got["snapshot"][1] >= 3
+
+
+def test_session_caps_close_the_least_recently_used_idle_ones():
+    """`HttpSessions.room_for`: a new session past a cap closes the least recently used idle
+    sessions (of its tenant, for the tenant's cap); busy ones are never closed, and a cap of
+    busy sessions refuses the new one. `expired`: idle past the TTL."""
+    from serve.http.sessions import HttpSessions, TooManySessions
+
+    hs = HttpSessions(len, ttl_s=None, max_sessions=3, per_tenant=2)
+    for i, name in enumerate(["a x", "b y", "a z"]):  # tenant a: x, z; tenant b: y
+        hs.bind(name, i)
+    assert hs.room_for("b w", busy=()) == ["a x"]  # over the total: the LRU one goes
+    assert hs.room_for("a w", busy=()) == ["a x"]  # over a's cap (and the total)
+    hs.engine_session("a x")  # used now: z is a's LRU
+    assert hs.room_for("a w", busy=()) == ["a z"]
+    assert hs.room_for("a w", busy={"a z"}) == ["a x"]
+    with pytest.raises(TooManySessions):
+        hs.room_for("a w", busy={"a x", "a z"})
+    assert HttpSessions(len).room_for("n", busy=()) == []  # no caps
+    timed = HttpSessions(len, ttl_s=0.2)
+    timed.bind("old", 0)
+    time.sleep(0.3)
+    timed.bind("new", 1)
+    assert timed.expired(busy=()) == ["old"] and timed.expired(busy={"old"}) == []
+
+
+def test_idle_sessions_expire_and_caps_hold_over_http(tmp_path):
+    """A server with two sessions at most: the least recently used goes when a third opens;
+    then, with a TTL of half a second, the idle ones go (DELETE is a 404); both counted in
+    /metrics by reason."""
+    root = tmp_path / "ckpt"
+    model = ll.load_model(ensure_default_checkpoints(root)["deepseek_v3"])
+    engine = Engine(model, num_pages=64, page_size=16, max_seqs=4, kv_dtype=jnp.float32)
+    backend = Backend.for_engine(
+        engine, chat.ChatTokenizer(), "tiny", session_ttl_s=None, max_sessions=2
+    )
+
+    def turn(srv, name):
+        body = {"model": "tiny", "prompt": [5] * 40, "max_tokens": 1}
+        body |= {"session_id": name} if name else {}
+        req = urllib.request.Request(
+            srv.url + "/v1/completions", json.dumps(body).encode(), method="POST",
+            headers={"Content-Type": "application/json"},
+        )  # fmt: skip
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return json.loads(r.read())["usage"]
+
+    with ServerThread(backend) as srv:
+        turn(srv, None)  # compiled first: the turns below take milliseconds, not the TTL
+        for name in ("s1", "s2", "s1"):
+            turn(srv, name)
+        turn(srv, "s3")  # s2 is the least recently used: closed
+        sessions = backend.sessions
+        assert sessions.engine_session("s2") is None and sessions.engine_session("s1") is not None
+        sessions.ttl_s = 0.5  # set now: the turns above (compiling) took longer than that
+        time.sleep(2.0)
+        assert sessions.engine_session("s1") is None and sessions.engine_session("s3") is None
+        delete = urllib.request.Request(srv.url + "/v1/sessions/s1", method="DELETE")
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(delete)
+        assert e.value.code == 404
+        with urllib.request.urlopen(srv.url + "/metrics") as r:
+            text = r.read().decode()
+        assert 'leyline_sessions_closed_total{reason="cap"} 1.0' in text
+        assert 'leyline_sessions_closed_total{reason="ttl"} 2.0' in text

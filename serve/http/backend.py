@@ -26,6 +26,8 @@ from serve.http.text import ModVocabTokenizer
 from serve.http.worker import EngineWorker
 
 DEFAULT_MAX_TOKENS = 256  # chat completions without max_tokens: this, within the context
+SESSION_TTL_S = 3600.0  # a named session idle this long is closed (`--session-ttl`)
+MAX_SESSIONS = 10_000  # named sessions in all (`--max-sessions`): the LRU idle ones go first
 
 
 @dataclasses.dataclass
@@ -52,11 +54,19 @@ class Backend:
         return self.worker.sessions
 
     @classmethod
-    def for_engine(cls, engine, tokenizer, model_name: str, *, max_queue: int = 64, **kw):
+    def for_engine(
+        cls, engine, tokenizer, model_name: str, *, max_queue: int = 64,
+        session_ttl_s: float | None = SESSION_TTL_S, max_sessions: int | None = MAX_SESSIONS,
+        max_sessions_per_tenant: int | None = None, **kw,
+    ):  # fmt: skip
+        """A backend over `engine` (its worker not started); `kw`: `Backend` fields. Named
+        sessions: closed after `session_ttl_s` idle, at most `max_sessions` in all and
+        `max_sessions_per_tenant` a tenant (None: no limit; `HttpSessions`)."""
         vocab = engine.model.config.vocab_size
         if tokenizer.vocab_size > vocab:
             tokenizer = ModVocabTokenizer(tokenizer, vocab)
-        sessions = HttpSessions(lambda text: len(tokenizer.encode(text)))
+        count = lambda text: len(tokenizer.encode(text))  # noqa: E731
+        sessions = HttpSessions(count, session_ttl_s, max_sessions, max_sessions_per_tenant)
         worker = EngineWorker(engine, Metrics(), sessions, max_queue=max_queue)
         return cls(worker, tokenizer, model_name, engine.state.max_seq_len, vocab, **kw)
 

@@ -35,6 +35,9 @@ class Metrics:
         self.running = gauge("leyline_running_turns", "Turns running")
         self.free_pages = gauge("leyline_free_pages", "Free KV pages in the pool")
         self.sessions = gauge("leyline_sessions", "Open engine sessions")
+        self.sessions_closed = counter(
+            "leyline_sessions_closed", "Named sessions the server closed, by reason", ["reason"]
+        )
         self.ttft = histogram("leyline_ttft_seconds", "Arrival to first token")
         self.step = histogram("leyline_step_seconds", "One engine step")
         self.latency = histogram("leyline_turn_seconds", "Arrival to the turn's end")

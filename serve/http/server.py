@@ -4,7 +4,8 @@ of this process, for tests and benchmarks).
     python -m serve.http --model PATH|tiny|smollm2 [--port 8000] [--host 127.0.0.1]
         [--num-pages N] [--page-size N] [--max-seqs N] [--kv-dtype bf16|fp32] ...
         [--max-queue 64] [--warmup] [--list-shapes] [--compile-cache DIR|off]
-        [--max-body-bytes 16777216] [--body-timeout 30]
+        [--max-body-bytes 16777216] [--body-timeout 30] [--session-ttl 3600]
+        [--max-sessions 10000] [--max-sessions-per-tenant N]
         [--snapshot-dir DIR] [--api-key KEY ...] [--api-keys-file FILE] [--admin-key KEY]
 
 The engine's flags and their defaults are `serve.engine.EngineConfig`'s.
@@ -24,7 +25,13 @@ from serve import compile_cache
 from serve.engine import EngineConfig
 from serve.http.app import build_app, save_at_shutdown
 from serve.http.auth import Tenants
-from serve.http.backend import DEFAULT_MAX_TOKENS, Backend, load_backend
+from serve.http.backend import (
+    DEFAULT_MAX_TOKENS,
+    MAX_SESSIONS,
+    SESSION_TTL_S,
+    Backend,
+    load_backend,
+)
 from serve.http.limits import BODY_TIMEOUT_S, MAX_BODY_BYTES
 
 log = logging.getLogger("serve.http")
@@ -130,6 +137,11 @@ def parser() -> argparse.ArgumentParser:
         default=[],
         help="a tenant's key (repeat for more tenants): /v1/ routes need one (serve.http.auth)",
     )
+    ap.add_argument(
+        "--session-ttl", type=float, default=SESSION_TTL_S, help="close a session idle this long"
+    )
+    ap.add_argument("--max-sessions", type=int, default=MAX_SESSIONS, help="named sessions")
+    ap.add_argument("--max-sessions-per-tenant", type=int, default=0, help="0: no such cap")
     ap.add_argument("--api-keys-file", help="tenants' keys, one a line: KEY or TENANT KEY")
     ap.add_argument(
         "--admin-key", action="append", default=[], help="a key for admin routes (snapshot)"
@@ -166,6 +178,9 @@ def main(argv=None) -> None:
         body_timeout_s=args.body_timeout,
         snapshot_dir=args.snapshot_dir,
         tenants=tenants,
+        session_ttl_s=args.session_ttl or None,
+        max_sessions=args.max_sessions or None,
+        max_sessions_per_tenant=args.max_sessions_per_tenant or None,
     )
     if args.list_shapes:
         names = backend.worker.engine.warmup_plan().names()

@@ -5,30 +5,86 @@ the engine session it runs in, its replies' sampled ids (`ReplyMemory`) and what
 editing cleared (`ContextEditor`'s record). The engine thread maps names to engine sessions
 (submit, close); the event loop renders histories with the replies and records. Both go
 through this object (one lock), and a snapshot saves and restores it whole (`export`, `load`).
+
+Sessions have a lifecycle: one idle (no turn in flight) for `ttl_s` is closed (`expired`), and
+a new one past `max_sessions` in all, or `per_tenant` of its tenant's, first closes the least
+recently used idle ones (`room_for`; `TooManySessions` when every one is busy). None: no limit.
 """
 
 from __future__ import annotations
 
+import collections
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Collection
 
 from serve.http.history import ContextEditor, ReplyMemory
 
 
+class TooManySessions(RuntimeError):
+    """A new session would pass a cap while every session under it has a turn in flight."""
+
+
+def tenant_of(name: str) -> str:
+    """The tenant of a session key (`serve.http.auth.scoped`: "TENANT NAME", or a bare name)."""
+    return name.split(" ", 1)[0] if " " in name else ""
+
+
 class HttpSessions:
-    def __init__(self, count_tokens: Callable[[str], int]):
+    def __init__(
+        self,
+        count_tokens: Callable[[str], int],
+        ttl_s: float | None = None,
+        max_sessions: int | None = None,
+        per_tenant: int | None = None,
+    ):
         self._lock = threading.Lock()
-        self._engine: dict[str, int] = {}  # name -> engine session
+        # name -> engine session, least recently used first; name -> when last used
+        self._engine: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._used: dict[str, float] = {}
         self.replies = ReplyMemory()  # used under the lock only
         self.context = ContextEditor(count_tokens)
+        self.ttl_s, self.max_sessions, self.per_tenant = ttl_s, max_sessions, per_tenant
 
     def engine_session(self, name: str) -> int | None:
+        """The engine session `name` runs in (None: none); it counts as used now."""
         with self._lock:
+            if name in self._engine:
+                self._engine.move_to_end(name)
+                self._used[name] = time.monotonic()
             return self._engine.get(name)
 
     def bind(self, name: str, sid: int) -> None:
         with self._lock:
             self._engine[name] = sid
+            self._used[name] = time.monotonic()
+
+    # ---- the lifecycle -------------------------------------------------------------------------
+    def expired(self, busy: Collection[str]) -> list[str]:
+        """Names idle past `ttl_s` (not in `busy`, those with a turn in flight)."""
+        if self.ttl_s is None:
+            return []
+        cut = time.monotonic() - self.ttl_s
+        with self._lock:
+            return [n for n in self._engine if self._used[n] < cut and n not in busy]
+
+    def room_for(self, name: str, busy: Collection[str]) -> list[str]:
+        """The idle sessions to close, least recently used first, so that a new session `name`
+        fits both caps; TooManySessions when it cannot."""
+        with self._lock:
+            names = list(self._engine)
+        out: list[str] = []
+        tenant = tenant_of(name)
+        for cap, pool in ((self.per_tenant, [n for n in names if tenant_of(n) == tenant]),
+                          (self.max_sessions, names)):  # fmt: skip
+            if cap is None:
+                continue
+            idle = [n for n in pool if n not in busy and n not in out]
+            over = len([n for n in pool if n not in out]) + 1 - cap
+            if over > len(idle):
+                raise TooManySessions(f"{cap} sessions, each with a turn in flight; retry later")
+            out += idle[: max(over, 0)]
+        return out
 
     def remember(self, name: str, text: str, ids) -> None:
         """Keep a reply's sampled ids for the session's next render."""
@@ -56,6 +112,7 @@ class HttpSessions:
         """Forget everything of session `name` (it was closed)."""
         with self._lock:
             self._engine.pop(name, None)
+            self._used.pop(name, None)
             self.replies.forget(name)
             self.context.forget(name)
 
@@ -73,7 +130,9 @@ class HttpSessions:
         """Take a snapshot's `export` back (without the replies of sessions a later FORGET
         cut: `serve.forgotten`); the names and their engine sessions."""
         with self._lock:
-            self._engine = {str(k): int(v) for k, v in extra.get("http_sessions", {}).items()}
+            names = extra.get("http_sessions", {}).items()
+            self._engine = collections.OrderedDict((str(k), int(v)) for k, v in names)
+            self._used = dict.fromkeys(self._engine, time.monotonic())
             self.replies.load(extra.get("replies", {}))
             cut = set(extra.get("forgotten_sessions", ()))
             for name in [k for k, sid in self._engine.items() if sid in cut]:

@@ -27,6 +27,7 @@ from serve.engine import RequestError, SamplingParams, TurnCancelled
 from serve.http import auth
 from serve.http.errors import APIError, unavailable
 from serve.http.extensions import SESSION_ID
+from serve.http.sessions import TooManySessions
 from serve.http.text import OutputText
 from serve.http.worker import Job, QueueFull, ShuttingDown
 
@@ -196,14 +197,8 @@ class Turns:
         try:
             self.worker.submit(job)
         except QueueFull as e:
-            raise APIError(
-                429,
-                f"the server is busy ({e}); retry later",
-                None,
-                "rate_limit_error",
-                code="queue_full",
-                headers={"Retry-After": "1"},
-            ) from e
+            why, retry = f"the server is busy ({e}); retry later", {"Retry-After": "1"}
+            raise APIError(429, why, None, "rate_limit_error", "queue_full", retry) from e
         return job
 
     async def respond(self, job: Job, request: Request, reply: Reply):
@@ -293,6 +288,9 @@ class Turns:
             return APIError(499, "the request was cancelled", None, code="cancelled")
         if isinstance(e, ShuttingDown):
             return unavailable(str(e))
+        if isinstance(e, TooManySessions):
+            retry = {"Retry-After": "1"}
+            return APIError(429, str(e), None, "rate_limit_error", "too_many_sessions", retry)
         if isinstance(e, (RequestError, ValueError, KeyError)):
             return APIError(400, str(e), getattr(e, "param", field), code="invalid_request")
         return APIError(500, f"internal error: {type(e).__name__}: {e}", None, "server_error")

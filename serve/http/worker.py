@@ -21,7 +21,7 @@ from serve.engine import TurnCancelled
 from serve.http.auth import SaltChanged
 from serve.http.commands import Answer, Cancel, Close, Snapshot, Submit, Wake, call_soon
 from serve.http.metrics import Metrics
-from serve.http.sessions import HttpSessions
+from serve.http.sessions import HttpSessions, TooManySessions
 
 log = logging.getLogger("serve.http")
 
@@ -77,6 +77,7 @@ class EngineWorker:
         self._stop = threading.Event()
         self.error: BaseException | None = None
         self.warming = None  # shapes to compile (`Engine.warmup_plan`), one at a time when idle
+        self._next_expiry = 0.0  # when `_expire` looks at the sessions next
         self.thread = threading.Thread(target=self._run, name="leyline-engine", daemon=True)
 
     # -- called from the HTTP side ------------------------------------------------------------
@@ -140,6 +141,7 @@ class EngineWorker:
             except queue.Empty:
                 pass
             try:
+                self._expire()
                 if not eng.idle():
                     t0 = time.perf_counter()
                     eng.step()
@@ -211,6 +213,13 @@ class EngineWorker:
         known = None if job.session_key is None else self.sessions.engine_session(job.session_key)
         if known is not None and eng.sessions[known].salt != job.salt:
             return self._end(job, ("error", SaltChanged()))
+        if known is None and job.session_key is not None:  # a new session: within the caps
+            try:
+                victims = self.sessions.room_for(job.session_key, self._busy())
+            except TooManySessions as e:
+                return self._end(job, ("error", e))
+            for name in victims:
+                self._retire(name, "cap")
         job.sid = eng.open_session(lineage=job.lineage, salt=job.salt) if known is None else known
         try:
             job.request = eng.submit_prompt(
@@ -229,6 +238,24 @@ class EngineWorker:
         if known is None and job.session_key is not None:
             self.sessions.bind(job.session_key, job.sid)
         self.jobs.append(job)
+
+    def _busy(self) -> set[str]:
+        return {j.session_key for j in self.jobs if j.session_key is not None}
+
+    def _expire(self) -> None:
+        """Close the named sessions idle past their TTL (looked at once a second at most)."""
+        now = time.monotonic()
+        if now >= self._next_expiry:
+            self._next_expiry = now + 1.0
+            for name in self.sessions.expired(self._busy()):
+                self._retire(name, "ttl")
+
+    def _retire(self, name: str, reason: str) -> None:
+        sid = self.sessions.engine_session(name)
+        if sid is not None and sid in self.engine.sessions:
+            self.engine.close_session(sid)  # its clean prefix stays in the radix cache
+        self.sessions.drop(name)
+        self.metrics.sessions_closed.labels(reason).inc()
 
     def _publish(self) -> None:
         for job in list(self.jobs):
