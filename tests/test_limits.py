@@ -192,3 +192,21 @@ def test_idle_sessions_expire_and_caps_hold_over_http(tmp_path):
             text = r.read().decode()
         assert 'leyline_sessions_closed_total{reason="cap"} 1.0' in text
         assert 'leyline_sessions_closed_total{reason="ttl"} 2.0' in text
+
+
+@pytest.mark.parametrize("sent", [b"", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"])
+def test_a_connection_without_a_whole_head_is_closed(tmp_path, sent):
+    """Nothing, or half a request head: closed after the header timeout (1 s here), while a
+    whole request on another connection is answered meanwhile."""
+    root = tmp_path / "ckpt"
+    model = ll.load_model(ensure_default_checkpoints(root)["deepseek_v3"])
+    engine = Engine(model, num_pages=64, page_size=16, max_seqs=2, kv_dtype=jnp.float32)
+    backend = Backend.for_engine(engine, chat.ChatTokenizer(), "tiny")
+    backend.header_timeout_s = 1.0
+    with ServerThread(backend) as srv:
+        with socket.create_connection((srv.host, srv.port), timeout=30) as s:
+            t0 = time.perf_counter()
+            s.sendall(sent)
+            assert health_ms(srv) < 1000
+            assert s.recv(100) == b""  # closed by the server, no answer
+            assert 0.9 < time.perf_counter() - t0 < 5

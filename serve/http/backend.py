@@ -19,7 +19,7 @@ from pathlib import Path
 from serve import chat
 from serve.engine import Engine, EngineConfig
 from serve.http.auth import Tenants
-from serve.http.limits import BODY_TIMEOUT_S, MAX_BODY_BYTES
+from serve.http.limits import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, MAX_BODY_BYTES
 from serve.http.metrics import Metrics
 from serve.http.sessions import HttpSessions
 from serve.http.text import ModVocabTokenizer
@@ -43,6 +43,7 @@ class Backend:
     tenants: Tenants = dataclasses.field(default_factory=Tenants)  # API keys (none: one tenant)
     max_body_bytes: int = MAX_BODY_BYTES  # a larger request body is a 413
     body_timeout_s: float = BODY_TIMEOUT_S  # a body not in by then is a 408
+    header_timeout_s: float = HEADER_TIMEOUT_S  # a connection without a request head by then
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
     @property

@@ -4,7 +4,7 @@ of this process, for tests and benchmarks).
     python -m serve.http --model PATH|tiny|smollm2 [--port 8000] [--host 127.0.0.1]
         [--num-pages N] [--page-size N] [--max-seqs N] [--kv-dtype bf16|fp32] ...
         [--max-queue 64] [--warmup] [--list-shapes] [--compile-cache DIR|off]
-        [--max-body-bytes 16777216] [--body-timeout 30] [--session-ttl 3600]
+        [--max-body-bytes 16777216] [--body-timeout 30] [--header-timeout 10] [--session-ttl 3600]
         [--max-sessions 10000] [--max-sessions-per-tenant N]
         [--snapshot-dir DIR] [--api-key KEY ...] [--api-keys-file FILE] [--admin-key KEY]
 
@@ -32,7 +32,7 @@ from serve.http.backend import (
     Backend,
     load_backend,
 )
-from serve.http.limits import BODY_TIMEOUT_S, MAX_BODY_BYTES
+from serve.http.limits import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, MAX_BODY_BYTES, header_deadline
 
 log = logging.getLogger("serve.http")
 
@@ -60,6 +60,7 @@ class ServerThread:
             log_level="warning",
             lifespan="off",
             timeout_graceful_shutdown=2,
+            http=header_deadline(backend.header_timeout_s),
         )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
@@ -116,6 +117,9 @@ def parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--body-timeout", type=float, default=BODY_TIMEOUT_S, help="seconds to send a body (408)"
+    )
+    ap.add_argument(
+        "--header-timeout", type=float, default=HEADER_TIMEOUT_S, help="seconds to send a head"
     )
     ap.add_argument(
         "--warmup",
@@ -176,6 +180,7 @@ def main(argv=None) -> None:
         request_timeout_s=args.request_timeout,
         max_body_bytes=args.max_body_bytes,
         body_timeout_s=args.body_timeout,
+        header_timeout_s=args.header_timeout,
         snapshot_dir=args.snapshot_dir,
         tenants=tenants,
         session_ttl_s=args.session_ttl or None,
@@ -205,8 +210,9 @@ def main(argv=None) -> None:
     try:
         # requests still running get 10 s to finish, then the worker fails what is left (503)
         uvicorn.run(
-            app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=10
-        )
+            app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=10,
+            http=header_deadline(backend.header_timeout_s),
+        )  # fmt: skip
     finally:
         backend.worker.stop()
         save_at_shutdown(backend)
