@@ -37,6 +37,11 @@ from leyline_jax.safetensors import CheckpointError
 NAME = "forgotten.jsonl"
 
 
+def _page_end(start: int, page_size: int) -> int:
+    """The end of the page holding token `start`: what a record's hash covers."""
+    return (start // page_size + 1) * page_size
+
+
 def page_hash(tokens, upto: int) -> str | None:
     """SHA-256 of tokens[:upto] as int32 (None when there are fewer tokens)."""
     if len(tokens) < upto:
@@ -46,14 +51,13 @@ def page_hash(tokens, upto: int) -> str | None:
 
 def record(session, start: int, page_size: int) -> dict:
     """What a FORGET from `start` in `session` (its tokens before the edit) forgot."""
-    upto = (start // page_size + 1) * page_size  # the end of the first evicted token's page
     return {
         "session": session.id,
         "start": start,
         "salt": session.salt,
         "lineage": session.lineage,
         "page_size": page_size,
-        "page_hash": page_hash(session.tokens, upto),
+        "page_hash": page_hash(session.tokens, _page_end(start, page_size)),
     }
 
 
@@ -103,7 +107,7 @@ def _checked(rec) -> dict:
 
 def _holds(rec: dict, tokens) -> bool:
     """Whether `tokens` hold the page of the first token `rec` forgot (its SHA-256 matches)."""
-    upto = (rec["start"] // rec["page_size"] + 1) * rec["page_size"]
+    upto = _page_end(rec["start"], rec["page_size"])
     return rec["page_hash"] is not None and page_hash(tokens, upto) == rec["page_hash"]
 
 

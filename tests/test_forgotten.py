@@ -8,21 +8,25 @@ restoring without the log), so none can pass by finding nothing anywhere.
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import signal
 import urllib.request
 
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from conftest import ALL_CONFIGS
+from test_engine_verbs import toks
+from test_engine_verbs import turn as verbs_turn
 
 import leyline_jax as ll
 from checkpoints.tiny import write_random_checkpoint
 from leyline_jax.directives import Directive, Mode
 from serve import forgotten, snapshot
-from serve.engine import Engine, SamplingParams
+from serve.engine import Engine
+
+turn = functools.partial(verbs_turn, n=1)  # one token a turn here
 
 PS = 8
 SHAPE = dict(page_size=PS, max_seqs=4, max_seq_len=128, kv_dtype=jnp.float32, num_pages=64)
@@ -32,16 +36,6 @@ SHAPE = dict(page_size=PS, max_seqs=4, max_seq_len=128, kv_dtype=jnp.float32, nu
 def model(tmp_path_factory):
     cfg = {**ALL_CONFIGS["glm4_moe_lite"], "num_hidden_layers": 2, "mlp_layer_types": ["dense"] * 2}
     return ll.load_model(write_random_checkpoint(tmp_path_factory.mktemp("forget"), cfg))
-
-
-def toks(n: int, seed: int) -> list[int]:
-    return np.random.default_rng(seed).integers(0, 256, n).tolist()
-
-
-def turn(engine, sid, tokens, n=1, **kw):
-    r = engine.submit(sid, tokens, sampling=SamplingParams(n), **kw)
-    r.result()
-    return r
 
 
 PROMPT = toks(20, 1) + toks(12, 2) + toks(20, 3)  # the secret: tokens 20 to 32

@@ -141,15 +141,17 @@ class PrefixCaches:
         if self.on_forget is not None and rec != self._reported:
             self.on_forget(rec)  # first: a log that cannot be written stops the FORGET
             self._reported = rec
-        shared = self.tree(s.salt) if self.enabled else None
-        for tree in (shared, self.private.get(s.lineage)):
-            if tree is not None:
-                pages = tree.purge(list(s.tokens), start)
-                self.pool.release(pages, zero=True)
-                held = {p for p in pages if self.pool.state.refcount[p] > 0}
-                for other in sessions.values() if held and tree is not shared else ():
-                    if other.lineage == s.lineage and other.seq is not None:
-                        other.foreign |= bool(held & set(self.pool.seq_pages(other.seq)))
+        if self.enabled:
+            self.pool.release(self.tree(s.salt).purge(list(s.tokens), start), zero=True)
+        private = self.private.get(s.lineage)
+        if private is None:
+            return
+        pages = private.purge(list(s.tokens), start)
+        self.pool.release(pages, zero=True)
+        held = {p for p in pages if self.pool.state.refcount[p] > 0}  # in another's KV still
+        for other in sessions.values() if held else ():
+            if other.lineage == s.lineage and other.seq is not None:
+                other.foreign |= bool(held & set(self.pool.seq_pages(other.seq)))
 
     def evict(self, want: int) -> int:
         """Evict up to `want` pages only the trees hold, least recently used leaves first
