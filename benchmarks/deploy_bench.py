@@ -7,7 +7,13 @@
 - `turn_ms`: a chat turn's latency while idle and while the five snapshots run.
 - `shutdown_s`: SIGTERM to the process's exit (the shutdown snapshot included).
 
-    python -m benchmarks.deploy_bench [--sessions 200] [--out results.json]
+With `--idle N` it measures idle sessions instead (no snapshot dir, no session cap): N named
+sessions opened one turn each by 8 clients, each a `--tokens`-id prompt (a prefix all share,
+held once by the radix cache, then 16 ids of its own) and a one-token reply; the server's
+resident memory (VmRSS) every N/10 sessions, the bytes each session added, turn and `/health`
+latencies at the end, and a turn continuing the first (long offloaded) session.
+
+    python -m benchmarks.deploy_bench [--sessions 200] [--idle N [--tokens 512]] [--out F]
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 from benchmarks.harness import parser, percentile, save_json, section
 from serve.http import free_port
@@ -70,18 +77,61 @@ def _big_body(port: int, size: int = 50 << 20) -> None:
         assert s.recv(64).split()[1] == b"413"
 
 
-def run(sessions: int) -> dict:
-    port, snaps = free_port(), tempfile.mkdtemp(prefix="leyline-deploy-")
+def _server(*args: str) -> tuple[subprocess.Popen, int, str]:
+    """`python -m serve.http --model tiny --max-seqs 16 ARGS` in a process of its own, once it
+    answers /health: (the process, its port, its URL)."""
+    port = free_port()
     cmd = [sys.executable, "-m", "serve.http", "--model", "tiny", "--port", str(port),
-           "--snapshot-dir", snaps, "--max-seqs", "16"]  # fmt: skip
+           "--max-seqs", "16", *args]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     while True:
         try:
             _get(url, "/health", timeout=5)
-            break
+            return proc, port, url
         except OSError:
             time.sleep(0.2)
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(x.split()[1]) / 1024 for x in f if x.startswith("VmRSS"))
+
+
+def run_idle(n: int, tokens: int, clients: int = 8) -> dict:
+    proc, _, url = _server("--max-sessions", "0", "--session-ttl", "0", "--warmup")
+    vocab = 256  # the tiny model's
+
+    def turn(i: int) -> float:
+        ids = [j * 7 % vocab for j in range(tokens - 16)] + [(i + j) % vocab for j in range(16)]
+        body = {"model": "tiny", "prompt": ids, "max_tokens": 1, "session_id": f"s{i}"}
+        t0 = time.perf_counter()
+        _get(url, "/v1/completions", body)
+        return 1000 * (time.perf_counter() - t0)
+
+    first = max(n // 10, 1)
+    rows, done, t0 = [], 0, time.perf_counter()
+    with ThreadPoolExecutor(clients) as ex:
+        for end in range(first, n + 1, first):
+            ms = list(ex.map(turn, range(done, end)))
+            done, rss = end, _rss_mb(proc.pid)
+            elapsed = time.perf_counter() - t0
+            rows.append(
+                {"sessions": done, "rss_mb": rss, "s": elapsed, "turn_ms_p50": percentile(ms, 50)}
+            )
+    old = [turn(0) for _ in range(5)]  # the first session, offloaded long ago, continued
+    health, _ = _health_during(url, lambda: time.sleep(2))
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(120)
+    grown = rows[-1]["rss_mb"] - rows[0]["rss_mb"]
+    per = grown * 2**20 / max(rows[-1]["sessions"] - rows[0]["sessions"], 1)
+    return {"sessions": done, "tokens": tokens, "checkpoints": rows, "bytes_per_session": per,
+            "old_session_turn_ms": old, "health_ms": health}  # fmt: skip
+
+
+def run(sessions: int) -> dict:
+    snaps = tempfile.mkdtemp(prefix="leyline-deploy-")
+    proc, port, url = _server("--snapshot-dir", snaps)
 
     def turn(name: str) -> float:
         body = {"model": "tiny", "prompt": [7 + hash(name) % 200] * 64, "max_tokens": 1}
@@ -132,7 +182,21 @@ def run(sessions: int) -> dict:
 def main(argv=None) -> None:
     ap = parser(__doc__, out=None)
     ap.add_argument("--sessions", type=int, default=200)
+    ap.add_argument("--idle", type=int, default=0, help="measure N idle sessions instead")
+    ap.add_argument("--tokens", type=int, default=512, help="each idle session's prompt")
     args = ap.parse_args(argv)
+    if args.idle:
+        r = run_idle(args.idle, args.tokens)
+        save_json(args.out, r)
+        rows = [[str(c["sessions"]), f"{c['rss_mb']:.0f}", f"{c['s']:.0f}",
+                 f"{c['turn_ms_p50']:.1f}"] for c in r["checkpoints"]]  # fmt: skip
+        head = ["sessions", "RSS MB", "elapsed s", "turn ms p50"]
+        print("\n".join(section(f"{args.idle} idle sessions of {args.tokens} tokens", head, rows)))
+        h, old = r["health_ms"], r["old_session_turn_ms"]
+        print(f"{r['bytes_per_session']:.0f} bytes a session; /health p50 "
+              f"{percentile(h, 50):.1f} max {max(h):.1f} ms; the first session continued: "
+              f"{', '.join(f'{x:.0f}' for x in old)} ms")  # fmt: skip
+        return
     r = run(args.sessions)
     save_json(args.out, r)
     rows = [[what, f"{v['p50']:.1f}", f"{v['max']:.1f}", str(v["n"])] for what, v in

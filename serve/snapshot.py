@@ -91,7 +91,8 @@ def capture(
     sessions, prefixes, pins, trees = [], [], [], []
     for s in sorted(engine.sessions.values(), key=lambda s: s.last_used):
         cached = s.cached if s.seq is not None else 0
-        tokens = list(s.tokens[:cached] if s.busy else s.tokens)
+        whole = s.token_list()  # an idle offloaded session stays packed
+        tokens = whole[:cached] if s.busy else whole
         row = engine.pool.seq_pages(s.seq) if cached else []
         if cached and st.token_ids[s.seq].tolist() != tokens[:cached]:
             raise RuntimeError(f"session {s.id}: its tokens do not describe its sequence's KV")
@@ -99,7 +100,7 @@ def capture(
         rec |= {"pins": [list(p) for p in s.pins if p[1] <= len(tokens)], "lineage": s.lineage}
         rec |= {"salt": s.salt}
         sessions.append({**rec, "private": s.private, "foreign": s.foreign, "pages": refs(row)})
-        if engine.radix is not None and (p := prefix(s.tokens, s.salt)):  # a later turn's hit
+        if engine.radix is not None and (p := prefix(whole, s.salt)):  # a later turn's hit
             prefixes.append(p)
     if engine.radix is not None:
         for tokens, count in engine.radix.pin_ends():

@@ -130,9 +130,9 @@ class PrefixCaches:
     def purge(self, s: Session, ds: Sequence[Directive], sessions: dict) -> None:
         """A batch with a FORGET: both trees forget the path of `s.tokens` (before the edit)
         from the first FORGET start on; pages nobody else holds are zeroed; other sessions
-        (`sessions`) of its lineage still holding purged pages of its private tree become
-        `foreign` (their KV is never cached for the lineage again); `on_forget` gets the
-        FORGET's record. Idempotent."""
+        (`sessions`: those holding a sequence slot) of its lineage still holding purged pages
+        of its private tree become `foreign` (their KV is never cached for the lineage
+        again); `on_forget` gets the FORGET's record. Idempotent."""
         forget = [d for d in ds if d.mode is Mode.FORGET]
         if not forget:
             return

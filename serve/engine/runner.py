@@ -41,7 +41,7 @@ class Runner:
         self.config, self.counters = config, counters
 
     def running(self) -> list[Request]:
-        return [s.active for s in self.table.sessions.values() if s.active is not None]
+        return [s.active for s in self.table.holding.values() if s.active is not None]
 
     def available(self) -> int:
         """Free pages, less what running turns may still take (their remaining prompt and
@@ -68,7 +68,7 @@ class Runner:
     def cut(self, s: Session, ds, at: int) -> None:
         """Truncate a session's KV to tokens[:at] (KV before it is kept exactly), after a
         FORGET batch's purge of the caches."""
-        self.caches.purge(s, ds, self.table.sessions)
+        self.caches.purge(s, ds, self.table.holding)
         self.pool.apply(s.seq, [ll.Directive(at, s.cached, (), Mode.FORGET)])
         s.cached, s.clean = at, min(s.clean, at)
 
@@ -76,7 +76,7 @@ class Runner:
         """Apply the turn's edit to the session's KV and set up its prompt (the turn is
         admitted). `kvp` None: the session has just been given an empty sequence slot."""
         s, st, prompt = req.session, req.stats, plan.prompt
-        self.caches.purge(s, plan.directives, self.table.sessions)
+        self.caches.purge(s, plan.directives, self.table.holding)
         st.prompt_tokens, st.reused_tokens, st.spliced_tokens = len(prompt), 0, 0
         if kvp is None:  # the longest prefix the caches let it reuse
             pages, hit, s.clean = self.caches.match(s, prompt)

@@ -106,7 +106,7 @@ class Scheduler:
         if kvp is not None and kvp.kept == 0:
             # nothing of the cached KV survives the edit: the session's KV starts again
             self.table.offload(s)
-            self.caches.purge(s, plan.directives, self.table.sessions)
+            self.caches.purge(s, plan.directives, self.table.holding)
             kvp = None
         first = kvp.splices[0].start if kvp is not None and kvp.splices else None
         ps = self.pool.page_size
@@ -154,7 +154,7 @@ class Scheduler:
         offloaded), so it fails rather than wait for an unpin."""
         if self.runner.running():
             return Admission.WAIT
-        pinned = [x.id for x in self.table.sessions.values() if x.pins and x.seq is not None]
+        pinned = [x.id for x in self.table.holding.values() if x.pins]
         why = (
             f"the turn needs {what} that only pinned KV holds (sessions {pinned} hold pins; "
             f"{len(self.table.pinned_pages())} pages are pinned): unpin some to make room"

@@ -3,8 +3,10 @@
 A session is a conversation: its token list (prompt and generated tokens of every turn so far)
 and, while it holds one, a sequence slot whose KV caches a prefix of that list (`cached`;
 `clean` of it is what a fresh prefill would give). Idle sessions keep their KV until the pool
-needs it; an offloaded session keeps its token list and gets its prefix back from the radix
-cache (or a prefill) on its next turn. A session holding a pin is never offloaded.
+needs it; an offloaded session keeps its token list (packed, 4 bytes a token: `Session.pack`)
+and gets its prefix back from the radix cache (or a prefill) on its next turn. A session
+holding a pin is never offloaded. Only the sessions holding a slot (`holding`, at most
+`max_seqs`) are scanned per step, so idle sessions cost memory, not time.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class SessionTable:
     def __init__(self, pool: Pool, caches: PrefixCaches, counters: Counter):
         self.pool, self.caches, self.counters = pool, caches, counters
         self.sessions: dict[int, Session] = {}
+        self.holding: dict[int, Session] = {}  # those holding a sequence slot
         self._ids = itertools.count()
 
     def get(self, session: int) -> Session:
@@ -78,8 +81,8 @@ class SessionTable:
         `exclude`) and the radix cache's pinned pages."""
         radix = self.caches.radix
         out = set(radix.pinned_pages()) if radix is not None else set()
-        for x in self.sessions.values():
-            if x is not exclude and x.pins and x.seq is not None:
+        for x in self.holding.values():
+            if x is not exclude and x.pins:
                 out.update(self.pool.seq_pages(x.seq))
         return out
 
@@ -87,15 +90,13 @@ class SessionTable:
     def idle_victim(self, exclude: Session) -> Session | None:
         """The least recently used idle session holding KV and no pin (but `exclude`)."""
         idle = [
-            s
-            for s in self.sessions.values()
-            if s is not exclude and s.seq is not None and s.active is None and not s.pins
+            s for s in self.holding.values() if s is not exclude and s.active is None and not s.pins
         ]
         return min(idle, key=lambda s: s.last_used) if idle else None
 
     def free_slots(self) -> list[int]:
         """Sequence slots no session holds, lowest first."""
-        used = {x.seq for x in self.sessions.values() if x.seq is not None}
+        used = {x.seq for x in self.holding.values()}
         return [q for q in range(self.pool.state.max_seqs) if q not in used]
 
     def take_slot(self, s: Session) -> bool:
@@ -107,6 +108,7 @@ class SessionTable:
                 return False
             free = [self.offload(victim)]
         s.seq = free[0]
+        self.holding[s.id] = s
         self.pool.open(s.seq)
         return True
 
@@ -119,6 +121,9 @@ class SessionTable:
         self.caches.cache_prefix(s)
         self.pool.free(seq)
         s.seq, s.cached, s.clean, s.foreign = None, 0, 0, False
+        del self.holding[s.id]
+        if not s.busy:
+            s.pack()
         self.counters["offloads"] += 1
         return seq
 
@@ -154,7 +159,10 @@ class SessionTable:
                 raise ValueError(f"no free sequence slot for session {session}")
             self.pool.adopt_partial(free[0], pages, toks[:cached])
             s.seq, s.cached, s.clean = free[0], cached, clean
+            self.holding[s.id] = s
             self.caches.cache_prefix(s)
+        else:
+            s.pack()
         self.sessions[s.id] = s
         self._ids = itertools.count(max(next(self._ids), s.id + 1))
         return s

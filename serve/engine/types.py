@@ -9,6 +9,8 @@ import enum
 import time
 from collections.abc import Iterator
 
+import numpy as np
+
 from leyline_jax.directives import Mode
 
 
@@ -113,7 +115,7 @@ class Request:
 @dataclasses.dataclass(eq=False)
 class Session:
     id: int
-    tokens: list[int] = dataclasses.field(default_factory=list)  # the conversation so far
+    _tokens: list[int] | np.ndarray = dataclasses.field(default_factory=list)  # see `tokens`
     seq: int | None = None  # sequence slot, while the session holds KV
     cached: int = 0  # tokens[:cached] are in the KV
     clean: int = 0  # tokens[:clean] have the KV a fresh prefill would give
@@ -132,3 +134,23 @@ class Session:
     def busy(self) -> bool:
         """A turn of it runs or waits."""
         return self.active is not None or bool(self.queue)
+
+    @property
+    def tokens(self) -> list[int]:
+        """The conversation so far: a list (a packed session's ids become one again)."""
+        if not isinstance(self._tokens, list):
+            self._tokens = self._tokens.tolist()
+        return self._tokens
+
+    @tokens.setter
+    def tokens(self, value: list[int]) -> None:
+        self._tokens = value
+
+    def pack(self) -> None:
+        """Hold the ids as 4 bytes each (int32) until `tokens` is next read: an idle session
+        without KV (a list costs 8 bytes a token, 36 for an id past Python's small ints)."""
+        self._tokens = np.asarray(self._tokens, np.int32)
+
+    def token_list(self) -> list[int]:
+        """A copy of `tokens` that leaves a packed session packed."""
+        return self._tokens.tolist() if isinstance(self._tokens, np.ndarray) else list(self._tokens)

@@ -5,6 +5,7 @@ Anthropic-style `clear_tool_uses_20250919` over the session's record (`ContextEd
 
 from __future__ import annotations
 
+import array
 import collections
 import dataclasses
 import uuid
@@ -33,7 +34,7 @@ class ReplyMemory:
     def remember(self, session: str, text: str, ids: Sequence[int]) -> None:
         replies = self._by_session.setdefault(session, [])
         self._by_session.move_to_end(session)
-        replies.append((text, list(ids)))
+        replies.append((text, array.array("i", ids)))  # 4 bytes an id
         del replies[: max(0, len(replies) - self.per_session)]
         while len(self._by_session) > self.max_sessions:
             self._by_session.popitem(last=False)
@@ -52,7 +53,8 @@ class ReplyMemory:
 
     def load(self, data: dict) -> None:
         self._by_session = collections.OrderedDict(
-            (str(k), [(str(t), [int(x) for x in i]) for t, i in v]) for k, v in data.items()
+            (str(k), [(str(t), array.array("i", [int(x) for x in i])) for t, i in v])
+            for k, v in data.items()
         )
 
     def substitute(self, session: str | None, messages: list[dict], rendered) -> chat.Rendered:
