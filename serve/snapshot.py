@@ -5,6 +5,9 @@ A snapshot (`checkpoints.sessions`: atomic, crash-safe) holds two arrays and a J
 - `moved` / `rotated`: the distinct KV pages the snapshot needs, every layer's bands stacked,
   [L, K, page_size, *band] in the pools' storage dtypes (a 16-bit band as its raw uint16 bits:
   bit-exact). A page several sessions or radix nodes share (forks, prefix hits) is saved once.
+- `page_tokens`: [K, page_size] int32, the token ids each saved page holds KV for (-1 past its
+  last), so each record's tokens are bound to its pages: a restore whose records put other
+  tokens on a page (a changed token id, page lists moved between sessions) is refused.
 - `layout`: what the pages mean, so another engine is refused: the format version, the model's
   family and whole config, a checksum of its params' bits, page_size, the bands' shapes and
   dtypes.
@@ -28,7 +31,8 @@ A snapshot (`checkpoints.sessions`: atomic, crash-safe) holds two arrays and a J
 - `extra`: the caller's own JSON-able data, returned by `restore`.
 
 Format 1 snapshots (without pins, lineages and trees) are still read: their sessions come back
-with their own lineage and no pins.
+with their own lineage and no pins. Formats 1 and 2 have no `page_tokens`: their records are
+checked against the pages' count and shape only.
 
 A session with a turn in flight (running or queued) is saved as what its KV holds,
 tokens[:cached] (none, if it is offloaded too; the turn itself is not saved: its caller
@@ -52,7 +56,7 @@ from serve import forgotten
 from serve import snapshot_records as records
 from serve.engine import Engine
 
-FORMAT = 2  # the meta's layout described above (1: without pins, lineages and trees)
+FORMAT = 3  # the layout above (1: without pins, lineages and trees; 2: without page_tokens)
 
 
 def save(engine: Engine, root: str | os.PathLike, extra: dict | None = None) -> Path:
@@ -75,13 +79,17 @@ def capture(
     st = engine.state
     index: dict[int, int] = {}  # pool page -> its index among the saved pages
 
-    def refs(pages) -> list[int]:
-        return [index.setdefault(int(p), len(index)) for p in pages]
+    bound: list[tuple[list[int], list[int]]] = []  # (tokens, saved pages): `page_tokens`
+
+    def refs(pages, tokens) -> list[int]:
+        out = [index.setdefault(int(p), len(index)) for p in pages]
+        bound.append((tokens, out))
+        return out
 
     caches = engine.caches
 
     def path(tokens, pages) -> dict:
-        return {"tokens": list(tokens), "pages": refs(pages)}
+        return {"tokens": list(tokens), "pages": refs(pages, list(tokens))}
 
     def prefix(tokens, salt="") -> dict | None:
         pages, n = caches.tree(salt).peek(tokens)
@@ -99,7 +107,8 @@ def capture(
         rec = {"id": s.id, "tokens": tokens, "cached": cached, "clean": min(s.clean, cached)}
         rec |= {"pins": [list(p) for p in s.pins if p[1] <= len(tokens)], "lineage": s.lineage}
         rec |= {"salt": s.salt}
-        sessions.append({**rec, "private": s.private, "foreign": s.foreign, "pages": refs(row)})
+        rec |= {"private": s.private, "foreign": s.foreign}
+        sessions.append({**rec, "pages": refs(row, tokens[:cached])})
         if engine.radix is not None and (p := prefix(whole, s.salt)):  # a later turn's hit
             prefixes.append(p)
     if engine.radix is not None:
@@ -109,6 +118,10 @@ def capture(
     for lineage, tree in caches.private.items():
         trees.append({"lineage": lineage, "paths": [path(*p) for p in tree.paths()]})
     moved, rotated = paged.read_pages(st, list(index))  # in index order
+    try:
+        held = records.page_tokens(bound, len(index), engine.page_size)
+    except ValueError as e:
+        raise RuntimeError(f"the engine's records disagree: {e}") from e
     meta = {
         "format": FORMAT,
         "layout": layout(engine.model, engine.state.pools),
@@ -119,7 +132,8 @@ def capture(
         "forgotten": len(forgotten.Log(root).records()),  # FORGETs this snapshot reflects
         "extra": {} if extra is None else extra,
     }
-    return functools.partial(write_snapshot, root, {"moved": moved, "rotated": rotated}, meta)
+    arrays = {"moved": moved, "rotated": rotated, "page_tokens": held}
+    return functools.partial(write_snapshot, root, arrays, meta)
 
 
 def restore(engine: Engine, root: str | os.PathLike) -> dict | None:
@@ -147,9 +161,9 @@ def restore(engine: Engine, root: str | os.PathLike) -> dict | None:
     if snap is None:
         return None
     arrays, meta = snap
-    if meta.get("format") not in (1, FORMAT):
+    if meta.get("format") not in (1, 2, FORMAT):
         raise CheckpointError(
-            f"session snapshot format {meta.get('format')!r}; this reads 1 and {FORMAT}"
+            f"session snapshot format {meta.get('format')!r}; this reads 1 to {FORMAT}"
         )
     saved = meta.get("layout")
     if not isinstance(saved, dict):

@@ -1,9 +1,12 @@
 """The checks of a session snapshot's records (`parse`): every session, radix path, pin and
 lineage-tree path the meta lists is checked against the saved pages, the vocabulary and the
-page size before anything enters the engine; a malformed one is a `CheckpointError` naming
+page size before anything enters the engine, and (format 3) each record's tokens against
+those its pages were saved with (`page_tokens`); a malformed one is a `CheckpointError` naming
 it. Format 1's missing fields take their defaults (`serve.snapshot` describes the format)."""
 
 from __future__ import annotations
+
+import numpy as np
 
 from leyline_jax import allocator
 from leyline_jax.loader import CheckpointError
@@ -34,7 +37,44 @@ def parse(engine, meta: dict, arrays: dict) -> tuple:
     prefixes = r.check(meta.get("prefixes"), r.prefix, "prefix")
     pins = r.check(meta.get("radix_pins", []), r.pin, "radix pin")
     trees = r.check(meta.get("lineage_trees", []), r.tree, "lineage tree")
+    if meta.get("format", 1) >= 3:
+        paths = [(s["tokens"][: s["cached"]], s["pages"]) for s in sessions]
+        paths += [(p["tokens"], p["pages"]) for p in prefixes]
+        paths += [(p["tokens"], p["pages"]) for t in trees for p in t["paths"]]
+        _check_bound(paths, arrays.get("page_tokens"), r.k, r.ps)
     return sessions, prefixes, pins, trees, moved, rotated
+
+
+def page_tokens(paths, k: int, page_size: int) -> np.ndarray:
+    """The token ids each of `k` pages holds KV for, [k, page_size] int32 (-1 past the last),
+    from (tokens, pages) paths: page `pages[i]` holds `tokens[i * page_size:][:page_size]`.
+    ValueError when two paths put different tokens on one page."""
+    out = np.full((k, page_size), -1, np.int32)
+    for tokens, pages in paths:
+        for i, j in enumerate(pages):
+            seg = np.asarray(tokens[i * page_size : (i + 1) * page_size], np.int32)
+            have = out[j, : len(seg)]
+            if ((have != -1) & (have != seg)).any():
+                raise ValueError(f"two records put different tokens on page {j}")
+            have[:] = seg
+    return out
+
+
+def _check_bound(paths, saved, k: int, page_size: int) -> None:
+    """Every record's tokens are those its pages were saved with (`page_tokens`)."""
+    shape = (k, page_size)
+    if not isinstance(saved, np.ndarray) or saved.shape != shape or saved.dtype != np.int32:
+        raise CheckpointError(f"the snapshot holds no [{k}, {page_size}] int32 page_tokens")
+    try:
+        found = page_tokens(paths, k, page_size)
+    except ValueError as e:
+        raise CheckpointError(f"the snapshot's records disagree: {e}") from None
+    wrong = np.flatnonzero((found != saved).any(axis=1))
+    if wrong.size:
+        raise CheckpointError(
+            f"the snapshot's records do not hold the tokens its page {int(wrong[0])} was saved "
+            "with (a token changed, or pages moved between records)"
+        )
 
 
 class _Records:

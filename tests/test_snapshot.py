@@ -739,3 +739,25 @@ def test_a_tampered_session_snapshot_is_refused(model, saved, tmp_path, how):
         snapshot.restore(e, root)
     assert not e.sessions and e.pool.free_count() == free
     assert snapshot.restore(make_engine(model), saved[0]) is not None  # untampered: restored
+
+
+@pytest.mark.parametrize("how", ["token", "swapped_pages", "no_page_tokens"])
+def test_a_rewritten_session_snapshot_is_refused(model, saved, tmp_path, how):
+    """The same tampering written as a whole new snapshot (its SHA-256 and crc32s made anew):
+    each record's tokens are bound to the tokens its pages were saved with."""
+
+    def change(arrays, meta):
+        a, b = [s for s in meta["sessions"] if s["cached"] > 0][:2]
+        if how == "token":
+            a["tokens"][3] = (a["tokens"][3] + 1) % 256
+        elif how == "swapped_pages":
+            a["pages"], b["pages"] = b["pages"], a["pages"]
+        else:
+            del arrays["page_tokens"]
+
+    tamper(saved[0], tmp_path / "rewritten", change)
+    e = make_engine(model)
+    free = e.pool.free_count()
+    with pytest.raises(CheckpointError, match="page_tokens|do not hold the tokens|disagree"):
+        snapshot.restore(e, tmp_path / "rewritten")
+    assert not e.sessions and e.pool.free_count() == free
