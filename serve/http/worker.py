@@ -78,6 +78,7 @@ class EngineWorker:
         self.error: BaseException | None = None
         self.warming = None  # shapes to compile (`Engine.warmup_plan`), one at a time when idle
         self._next_expiry = 0.0  # when `_expire` looks at the sessions next
+        self.warmed = None  # called once the warmup ends (`serve.http.server.freeze_heap`)
         self.thread = threading.Thread(target=self._run, name="leyline-engine", daemon=True)
 
     # -- called from the HTTP side ------------------------------------------------------------
@@ -168,6 +169,8 @@ class EngineWorker:
             self.warming = None
         if self.warming is not None and self.warming.finished:
             self.warming = None
+            if self.warmed is not None:
+                self.warmed()
 
     def _fail_all(self, error: Exception) -> None:
         for job in list(self.jobs):
