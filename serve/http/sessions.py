@@ -42,6 +42,7 @@ class HttpSessions:
         # name -> engine session, least recently used first; name -> when last used
         self._engine: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._used: dict[str, float] = {}
+        self._tenants: collections.Counter[str] = collections.Counter()  # sessions per tenant
         self.replies = ReplyMemory()  # used under the lock only
         self.context = ContextEditor(count_tokens)
         self.ttl_s, self.max_sessions, self.per_tenant = ttl_s, max_sessions, per_tenant
@@ -56,6 +57,7 @@ class HttpSessions:
 
     def bind(self, name: str, sid: int) -> None:
         with self._lock:
+            self._tenants[tenant_of(name)] += name not in self._engine
             self._engine[name] = sid
             self._used[name] = time.monotonic()
 
@@ -70,20 +72,29 @@ class HttpSessions:
 
     def room_for(self, name: str, busy: Collection[str]) -> list[str]:
         """The idle sessions to close, least recently used first, so that a new session `name`
-        fits both caps; TooManySessions when it cannot."""
+        fits both caps; TooManySessions when it cannot. Walks the sessions only past a cap,
+        oldest first, as far as it must."""
+        tenant, out = tenant_of(name), []
         with self._lock:
-            names = list(self._engine)
-        out: list[str] = []
-        tenant = tenant_of(name)
-        for cap, pool in ((self.per_tenant, [n for n in names if tenant_of(n) == tenant]),
-                          (self.max_sessions, names)):  # fmt: skip
-            if cap is None:
-                continue
-            idle = [n for n in pool if n not in busy and n not in out]
-            over = len([n for n in pool if n not in out]) + 1 - cap
-            if over > len(idle):
-                raise TooManySessions(f"{cap} sessions, each with a turn in flight; retry later")
-            out += idle[: max(over, 0)]
+            for cap, ours in ((self.per_tenant, True), (self.max_sessions, False)):
+                if cap is None:
+                    continue
+
+                def within(n: str, ours=ours) -> bool:
+                    return not ours or tenant_of(n) == tenant
+
+                held = self._tenants[tenant] if ours else len(self._engine)
+                over = held - sum(map(within, out)) + 1 - cap
+                for n in self._engine if over > 0 else ():  # least recently used first
+                    if within(n) and n not in busy and n not in out:
+                        out.append(n)
+                        over -= 1
+                        if over == 0:
+                            break
+                if over > 0:
+                    raise TooManySessions(
+                        f"{cap} sessions, each with a turn in flight; retry later"
+                    )
         return out
 
     def remember(self, name: str, text: str, ids) -> None:
@@ -111,7 +122,8 @@ class HttpSessions:
     def drop(self, name: str) -> None:
         """Forget everything of session `name` (it was closed)."""
         with self._lock:
-            self._engine.pop(name, None)
+            if self._engine.pop(name, None) is not None:
+                self._tenants[tenant_of(name)] -= 1
             self._used.pop(name, None)
             self.replies.forget(name)
             self.context.forget(name)
@@ -133,6 +145,7 @@ class HttpSessions:
             names = extra.get("http_sessions", {}).items()
             self._engine = collections.OrderedDict((str(k), int(v)) for k, v in names)
             self._used = dict.fromkeys(self._engine, time.monotonic())
+            self._tenants = collections.Counter(map(tenant_of, self._engine))
             self.replies.load(extra.get("replies", {}))
             cut = set(extra.get("forgotten_sessions", ()))
             for name in [k for k, sid in self._engine.items() if sid in cut]:
