@@ -121,9 +121,10 @@ def _zero_step(pools: kv.KVPools, pages, slots):
 def rotation_tables(config, length: int, impl=None) -> tuple[jax.Array, jax.Array | None]:
     """The splice's rotation inputs, kept on device (like a serving stack's cos/sin cache):
     the model's inverse frequencies and, for the jnp path, cos/sin of its fp32 phases at
-    positions [0, length), where moved rows' rotations are looked up."""
+    positions [0, length), where moved rows' rotations are looked up (with `impl` None the
+    platform chooses at lowering, so the jnp path may be the one: the table is made)."""
     inv = jnp.asarray(rope.inv_freq(config))
-    if resolve(impl, TARGETS).target is not None:
+    if impl is not None and resolve(impl, TARGETS).target is not None:
         return inv, None
     return inv, jax.jit(phase_table, static_argnums=1)(inv, length)
 

@@ -1,10 +1,12 @@
 """The `impl` argument every kernel's dispatch takes: one owner for its names and defaults.
 
 A kernel module says which accelerators it has a compiled kernel for (its `targets`, e.g.
-("tpu", "gpu")); `resolve` turns `impl` into which implementation runs and how:
+("tpu", "gpu")); `resolve` turns an explicit `impl` into which implementation runs and how:
 
-- None: the compiled kernel where the backend is one of the targets, the jnp reference elsewhere
-  (on CPU always; on an accelerator the kernel has no version for).
+- None (not `resolve`'s: `on_platform`): chosen per platform when the program is lowered, not
+  when it is traced (`jax.lax.platform_dependent`), so one traced program lowers for any
+  platform, `jax.export(..., platforms=["cpu", "tpu", "cuda"])` included: each kernel module
+  says which platform gets which kernel, every other one the jnp reference (CPU always).
 - "jnp": the reference.
 - "pallas": the compiled kernel for this backend (on a backend it has no version for, the first
   target's kernel, which then fails to compile there).
@@ -31,9 +33,17 @@ class Impl(NamedTuple):
     interpret: object  # what `pallas_call(interpret=...)` takes; None for the jnp reference
 
 
+def on_platform(reference, args: tuple, **kernels):
+    """`reference(*args)`, or `kernels[p](*args)` on platform p ("tpu", "cuda", ...), the choice
+    made when the program is lowered: every branch is traced, only the lowering platform's is
+    compiled (the compiler never sees a conditional)."""
+    return jax.lax.platform_dependent(*args, default=reference, **kernels)
+
+
 def resolve(impl: str | None, targets: tuple[str, ...] = ("tpu",)) -> Impl:
     """`impl` -> `Impl` for a kernel with compiled versions for `targets` (see the module
-    docstring). Raises ValueError for a name outside IMPLS or an interpreter of a target the
+    docstring; None: the kernel for the backend jax runs on now, where one is needed before
+    lowering). Raises ValueError for a name outside IMPLS or an interpreter of a target the
     kernel lacks."""
     backend = jax.default_backend()
     native = backend if backend in targets else None

@@ -77,7 +77,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.dispatch import resolve
+from pallas_kernels.dispatch import on_platform, resolve
 
 __all__ = [
     "DEFAULT_BLOCK_KV",
@@ -187,6 +187,15 @@ def validate_static(
         if n % heads:
             raise ValueError(f"the compiled kernel needs N (heads, {n}) a multiple of {heads}")
     return kv_type, k_pe_type
+
+
+def _fits(*args, **kw) -> bool:
+    """The compiled kernel takes these shapes (`validate_static(compiled=True)`)."""
+    try:
+        validate_static(*args, compiled=True, **kw)
+    except ValueError:
+        return False
+    return True
 
 
 def validate_dynamic(
@@ -638,13 +647,14 @@ def ragged_paged_attention(
     module docstring).
 
     impl: see `pallas_kernels.dispatch` (the kernel targets TPU only: None is the compiled
-    kernel on TPU, jnp elsewhere, GPU included). `kv_dtype` / `k_pe_dtype`: the float type a
-    band's stored values mean (default: its own dtype; required for raw bits). `q_tiles` tunes
-    the jnp path, `block_q` the kernel, `block_kv` both. Concrete metadata is validated here
+    kernel on TPU, jnp on every other platform, GPU included, chosen at lowering). `kv_dtype`
+    / `k_pe_dtype`: the float type a band's stored values mean (default: its own dtype;
+    required for raw bits). `q_tiles` tunes the jnp path, `block_q` the kernel, `block_kv`
+    both. Concrete metadata is validated here
     (`validate_dynamic`); under the caller's jit that is the caller's job.
     """
     # the grouped form has no kernel yet: by default it takes the jnp path everywhere
-    impl, _, interpret = resolve("jnp" if impl is None and q_lat is None else impl, TARGETS)
+    impl = "jnp" if impl is None and q_lat is None else impl
     if q_lat is None and impl != "jnp":
         raise ValueError(f"impl={impl!r}: the grouped form (q_lat None) runs on the jnp path only")
     meta = (kv_lens, page_indices, cu_q_lens, num_rows)
@@ -653,6 +663,13 @@ def ragged_paged_attention(
     if not any(isinstance(a, jax.core.Tracer) for a in meta):
         validate_dynamic(q_pe, c_kv, *meta)
     kw = dict(scale=scale, kv_dtype=kv_dtype, k_pe_dtype=k_pe_dtype, block_kv=block_kv)
+    jnp_path = functools.partial(ref_ragged_paged_attention, q_tiles=q_tiles, **kw)
+    if impl is None:  # the TPU kernel where its layout fits, else jnp there too
+        tpu = functools.partial(ragged_paged_attention_kernel, block_q=block_q, **kw)
+        fits = _fits(*args, kv_dtype=kv_dtype, k_pe_dtype=k_pe_dtype)
+        kernels = {"tpu": functools.partial(tpu, interpret=False)} if fits else {}
+        return on_platform(jnp_path, args, **kernels)
+    impl, _, interpret = resolve(impl, TARGETS)
     if impl == "jnp":
-        return ref_ragged_paged_attention(*args, q_tiles=q_tiles, **kw)
+        return jnp_path(*args)
     return ragged_paged_attention_kernel(*args, block_q=block_q, interpret=interpret, **kw)

@@ -40,8 +40,10 @@ Implementations (one contract):
   program per run: for each layer it loads the run's `c` and `k` rows in a window of
   `next_pow2(max_run)` rows masked to the run's length, rotates `k` in fp32 and stores both at
   the destination.
-- `splice_rotate`: the dispatch (`pallas_kernels.dispatch`: compiled kernels on TPU and GPU,
-  jnp on CPU, interpret modes on request).
+- `splice_rotate`: the dispatch (`pallas_kernels.dispatch`: by default the TPU kernel on TPU
+  and jnp on every other platform, chosen when the program is lowered; the GPU kernel and the
+  interpret modes on request: the GPU kernel, written for the Triton lowering, does not lower
+  through Mosaic GPU, jax's default, at real shapes).
 The kernels update the pools in place (input_output_aliases): only destination rows are
 written, which is safe because destinations are never sources.
 """
@@ -59,7 +61,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.dispatch import resolve
+from pallas_kernels.dispatch import on_platform, resolve
 
 TARGETS = ("tpu", "gpu")  # the backends with a compiled kernel (see `dispatch`)
 DEFAULT_MAX_RUN = 16  # rows per run: a page of the paged state's default page size
@@ -623,17 +625,21 @@ def splice_rotate(
     max_run: int = DEFAULT_MAX_RUN,
     impl=None,
 ):
-    """Move + rotate every layer's pools (`cs` [S, Dc], `ks` [S, Dk] per layer) along `runs`
-    with the implementation for this backend. impl: see `pallas_kernels.dispatch` (None: the
-    compiled kernel on TPU and GPU, jnp on CPU). `k_dtype`: see `splice_rotate_ref`; `table`: a
+    """Move + rotate every layer's pools (`cs` [S, Dc], `ks` [S, Dk] per layer) along `runs`.
+    impl: see `pallas_kernels.dispatch` (None: the TPU kernel on TPU, jnp on every other
+    platform, chosen at lowering). `k_dtype`: see `splice_rotate_ref`; `table`: a
     `phase_table`, used by the jnp path. The kernels donate the pools. Concrete runs are
     validated here (`validate_runs_dynamic`); under the caller's jit that is the caller's job.
     """
-    name, target, interpret = resolve(impl, TARGETS)
     validate_runs_static(cs, ks, runs, inv_freq, max_run)
     if not any(isinstance(a, jax.core.Tracer) for a in runs):
         validate_runs_dynamic(cs[0].shape[0], runs, max_run)
     kw = dict(k_dtype=k_dtype, max_run=max_run)
+    if impl is None:
+        jnp_path = functools.partial(splice_rotate_jnp, table=table, **kw)
+        tpu = functools.partial(splice_rotate_tpu, interpret=False, **kw)
+        return on_platform(jnp_path, (tuple(cs), tuple(ks), Runs(*runs), inv_freq), tpu=tpu)
+    name, target, interpret = resolve(impl, TARGETS)
     if target is None:
         return splice_rotate_jnp(cs, ks, runs, inv_freq, table=table, **kw)
     if target == "gpu":
