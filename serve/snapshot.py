@@ -157,6 +157,7 @@ def restore(engine: Engine, root: str | os.PathLike) -> dict | None:
         )
     pools, free = engine.state.pools, engine.pool.free_count()
     page = sum(math.prod(p.shape[1:]) * p.dtype.itemsize for p in (*pools.moved, *pools.rotated))
+    page += engine.page_size * 4  # its token ids (`page_tokens`)
     snap = read_snapshot(root, max_bytes=page * free + (1 << 20))  # what the pool can take
     if snap is None:
         return None

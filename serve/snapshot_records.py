@@ -50,13 +50,17 @@ def page_tokens(paths, k: int, page_size: int) -> np.ndarray:
     from (tokens, pages) paths: page `pages[i]` holds `tokens[i * page_size:][:page_size]`.
     ValueError when two paths put different tokens on one page."""
     out = np.full((k, page_size), -1, np.int32)
+    seen: dict[int, tuple] = {}  # page -> the tokens last bound to it (a shared page: once)
     for tokens, pages in paths:
         for i, j in enumerate(pages):
-            seg = np.asarray(tokens[i * page_size : (i + 1) * page_size], np.int32)
+            seg = tuple(tokens[i * page_size : (i + 1) * page_size])
+            if seen.get(j) == seg:
+                continue
             have = out[j, : len(seg)]
             if ((have != -1) & (have != seg)).any():
                 raise ValueError(f"two records put different tokens on page {j}")
             have[:] = seg
+            seen[j] = seg
     return out
 
 

@@ -159,8 +159,8 @@ class SessionTable:
                 raise ValueError(f"no free sequence slot for session {session}")
             self.pool.adopt_partial(free[0], pages, toks[:cached])
             s.seq, s.cached, s.clean = free[0], cached, clean
-            self.holding[s.id] = s
             self.caches.cache_prefix(s)
+            self.holding[s.id] = s
         else:
             s.pack()
         self.sessions[s.id] = s
