@@ -4,9 +4,10 @@ A kernel module says which accelerators it has a compiled kernel for (its `targe
 ("tpu", "gpu")); `resolve` turns an explicit `impl` into which implementation runs and how:
 
 - None (not `resolve`'s: `on_platform`): chosen per platform when the program is lowered, not
-  when it is traced (`jax.lax.platform_dependent`), so one traced program lowers for any
-  platform, `jax.export(..., platforms=["cpu", "tpu", "cuda"])` included: each kernel module
-  says which platform gets which kernel, every other one the jnp reference (CPU always).
+  when it is traced (`jax.lax.platform_dependent`), so a program traced on one platform lowers
+  for another with that platform's kernel: each kernel module says which platform gets which
+  kernel, every other one the jnp reference (CPU always). One artifact for several platforms
+  at once does not lower with jax 0.10 (a Pallas TPU call has no CPU lowering).
 - "jnp": the reference.
 - "pallas": the compiled kernel for this backend (on a backend it has no version for, the first
   target's kernel, which then fails to compile there).

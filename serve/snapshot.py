@@ -89,7 +89,8 @@ def capture(
     caches = engine.caches
 
     def path(tokens, pages) -> dict:
-        return {"tokens": list(tokens), "pages": refs(pages, list(tokens))}
+        tokens = list(tokens)
+        return {"tokens": tokens, "pages": refs(pages, tokens)}
 
     def prefix(tokens, salt="") -> dict | None:
         pages, n = caches.tree(salt).peek(tokens)
