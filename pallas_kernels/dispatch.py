@@ -14,8 +14,8 @@ A kernel module says which accelerators it has a compiled kernel for (its `targe
 - "interpret": that kernel under Pallas' generic interpreter.
 - "tpu_interpret": the TPU kernel under the TPU-semantics interpreter, which executes in-place
   aliasing as the hardware would (the generic interpreter gathers before it scatters).
-- "gpu_interpret": the GPU kernel under the generic interpreter (a GPU kernel's only
-  interpreter).
+- "gpu_interpret": the GPU kernel under Mosaic GPU's interpreter (simulated shared memory,
+  barriers and copies).
 """
 
 from __future__ import annotations
@@ -39,6 +39,16 @@ def on_platform(reference, args: tuple, **kernels):
     made when the program is lowered: every branch is traced, only the lowering platform's is
     compiled (the compiler never sees a conditional)."""
     return jax.lax.platform_dependent(*args, default=reference, **kernels)
+
+
+def hopper() -> bool:
+    """Whether a CUDA lowering may take a Mosaic GPU kernel (compute capability 9.0 and up):
+    False only when jax runs on an older NVIDIA GPU now; a program traced elsewhere and lowered
+    for CUDA assumes a Hopper (H100, H200)."""
+    if jax.default_backend() != "gpu":
+        return True
+    capability = getattr(jax.devices()[0], "compute_capability", "9.0")
+    return float(capability) >= 9.0
 
 
 def resolve(impl: str | None, targets: tuple[str, ...] = ("tpu",)) -> Impl:

@@ -36,14 +36,14 @@ Implementations (one contract):
   a DMA has a static size, so each run moves as its power-of-two pieces (13 rows: 8 + 4 + 1),
   one DMA each copying `c` rows HBM -> HBM and one bringing `k` rows to VMEM; the block's `k`
   rows are rotated in fp32 and written back by DMA, piece by piece.
-- `splice_rotate_gpu`: a Pallas GPU kernel (the Triton lowering), one call for all layers. One
-  program per run: for each layer it loads the run's `c` and `k` rows in a window of
-  `next_pow2(max_run)` rows masked to the run's length, rotates `k` in fp32 and stores both at
-  the destination.
-- `splice_rotate`: the dispatch (`pallas_kernels.dispatch`: by default the TPU kernel on TPU
-  and jnp on every other platform, chosen when the program is lowered; the GPU kernel and the
-  interpret modes on request: the GPU kernel, written for the Triton lowering, does not lower
-  through Mosaic GPU, jax's default, at real shapes).
+- `splice_rotate_gpu` (`pallas_kernels.splice_rotate_gpu`): a Mosaic GPU kernel for Hopper,
+  one call for all layers: each run's pieces come in by TMA, `k` is rotated in registers, the
+  pieces go out by TMA (see that module). Pre-Hopper GPUs take the jnp path.
+- `splice_rotate`: the dispatch (`pallas_kernels.dispatch`: by default the TPU kernel on TPU,
+  the GPU kernel on CUDA where it takes the pools, jnp elsewhere, chosen when the program is
+  lowered; the interpret modes on request).
+The contract's shared parts (runs, their planning and validation, the rotation's fp32 math)
+live in `pallas_kernels.splice_runs`.
 The kernels update the pools in place (input_output_aliases): only destination rows are
 written, which is safe because destinations are never sources.
 """
@@ -52,194 +52,41 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.dispatch import on_platform, resolve
+from pallas_kernels.dispatch import hopper, on_platform, resolve
+from pallas_kernels.splice_rotate_gpu import splice_rotate_gpu, supports
+from pallas_kernels.splice_runs import (  # noqa: F401  (the contract's names, re-exported)
+    DEFAULT_MAX_RUN,
+    Runs,
+    as_bits,
+    phase_rows,
+    phase_table,
+    plan_runs,
+    rotation,
+    runs_to_rows,
+    to_stored,
+    to_values,
+    validate_dynamic,
+    validate_runs_dynamic,
+    validate_runs_static,
+    validate_static,
+)
 
 TARGETS = ("tpu", "gpu")  # the backends with a compiled kernel (see `dispatch`)
-DEFAULT_MAX_RUN = 16  # rows per run: a page of the paged state's default page size
 ROW_BLOCK = 256  # rows per gather/scatter step of the jnp path (of 64..1024, 256 and 512 best)
 DEFAULT_BLOCK = 8  # runs per TPU kernel grid step
 REF_BLOCK = 1024  # rows per loop step of the reference
 
 
-class Runs(NamedTuple):
-    """A splice as runs (i32[R] each; see the module docstring)."""
-
-    src: np.ndarray | jax.Array  # first source row
-    dst: np.ndarray | jax.Array  # first destination row
-    length: np.ndarray | jax.Array  # rows in the run (0: padding)
-    pos_from: np.ndarray | jax.Array  # position of the first row before the move
-    pos_to: np.ndarray | jax.Array  # and after it
-
-
-def plan_runs(src, dst, pos_from, pos_to, *, max_run: int = DEFAULT_MAX_RUN) -> Runs:
-    """Rows (i32[M] each, numpy, host) -> `Runs`: maximal stretches where source, destination
-    and both positions all advance by one, cut every `max_run` rows."""
-    rows = [np.asarray(a, np.int64) for a in (src, dst, pos_from, pos_to)]
-    m = len(rows[0])
-    cut = np.ones(m, bool)
-    if m > 1:
-        cut[1:] = np.any([np.diff(a) != 1 for a in rows], axis=0)
-    stretch = np.cumsum(cut) - 1  # which stretch each row is in
-    offset = np.arange(m) - np.flatnonzero(cut)[stretch]  # row's offset in its stretch
-    starts = np.flatnonzero(cut | (offset % max_run == 0))
-    length = np.diff(np.append(starts, m)).astype(np.int32)
-    src, dst, pos_from, pos_to = (a[starts].astype(np.int32) for a in rows)
-    return Runs(src, dst, length, pos_from, pos_to)
-
-
-def runs_to_rows(runs: Runs, *, max_run: int, slots: int):
-    """`Runs` -> the rows (src, dst, pos_from, pos_to), i32[R * max_run] each, of the row
-    contract: row t of run r, padding (dst == slots) past the run's length."""
-    t = jnp.arange(max_run, dtype=jnp.int32)
-    live = t < jnp.asarray(runs.length)[:, None]
-
-    def rows(a):
-        return (jnp.asarray(a, jnp.int32)[:, None] + t).reshape(-1)
-
-    dst = jnp.where(live, jnp.asarray(runs.dst, jnp.int32)[:, None] + t, slots).reshape(-1)
-    return rows(runs.src), dst, rows(runs.pos_from), rows(runs.pos_to)
-
-
-# ---- validators -----------------------------------------------------------------------------
-def _check_rotated_width(width: int, inv_freq) -> None:
-    if width % 2:
-        raise ValueError(f"rotated band width {width} must be even")
-    if inv_freq.ndim != 1 or width % (2 * inv_freq.shape[0]):
-        raise ValueError(
-            f"inv_freq must be [D/2] for vectors of width D dividing {width}, got {inv_freq.shape}"
-        )
-
-
-def _check_indices(**arrays) -> None:
-    m = next(iter(arrays.values())).shape
-    for name, a in arrays.items():
-        if a.shape != m or a.ndim != 1:
-            raise ValueError(f"{name} must be [M] like src, got {a.shape}")
-        if not jnp.issubdtype(a.dtype, jnp.integer):
-            raise ValueError(f"{name} must be integer, got {a.dtype}")
-
-
-def validate_static(c, k, src, dst, pos_from, pos_to, inv_freq) -> None:
-    """The row contract (`splice_rotate_ref`): shapes and dtypes (cheap; runs at trace time)."""
-    if c.ndim != 3 or k.ndim != 3 or c.shape[:2] != k.shape[:2]:
-        raise ValueError(f"c and k must be [L, S, D] with equal L, S: {c.shape}, {k.shape}")
-    _check_rotated_width(k.shape[2], inv_freq)
-    _check_indices(src=src, dst=dst, pos_from=pos_from, pos_to=pos_to)
-
-
-def validate_dynamic(c, src, dst) -> None:
-    """The row contract: index ranges and the no-hazard rule (needs concrete values: call
-    outside jit)."""
-    src, dst = np.asarray(src), np.asarray(dst)
-    s = c.shape[1]
-    real = dst != s
-    if ((src < 0) | (src >= s))[real].any():
-        raise ValueError("a source slot is out of range")
-    if ((dst < 0) | (dst > s)).any():
-        raise ValueError("a destination slot is out of range")
-    _check_hazard(src[real], dst[real])
-
-
-def _check_hazard(src: np.ndarray, dst: np.ndarray) -> None:
-    if len(np.unique(dst)) != len(dst):
-        raise ValueError("destination slots must be distinct")
-    if np.intersect1d(dst, src).size:
-        raise ValueError("a destination slot is also a source slot (read-after-write hazard)")
-
-
-def validate_runs_static(cs, ks, runs: Runs, inv_freq, max_run: int) -> None:
-    """The run contract: per-layer pools `cs` [S, Dc] / `ks` [S, Dk] (equal S, one shape and
-    dtype per band across layers), `runs` i32[R] each, `max_run` >= 1 (trace time)."""
-    if not cs or len(cs) != len(ks):
-        raise ValueError(f"need one c and one k pool per layer, got {len(cs)} and {len(ks)}")
-    for band in (cs, ks):
-        if any(a.ndim != 2 or a.shape != band[0].shape or a.dtype != band[0].dtype for a in band):
-            raise ValueError(f"a band's pools must be [S, D] of one shape and dtype: {band}")
-    if cs[0].shape[0] != ks[0].shape[0]:
-        raise ValueError(f"c and k pools must have equal S: {cs[0].shape}, {ks[0].shape}")
-    _check_rotated_width(ks[0].shape[1], inv_freq)
-    _check_indices(**{f"runs.{f}": a for f, a in runs._asdict().items()})
-    if max_run < 1:
-        raise ValueError(f"max_run {max_run} must be positive")
-
-
-def validate_runs_dynamic(slots: int, runs: Runs, max_run: int) -> None:
-    """The run contract: lengths in [0, max_run], real runs inside the pool, and the no-hazard
-    rule over their rows (needs concrete values: call outside jit)."""
-    src, dst, length = (np.asarray(a, np.int64) for a in runs[:3])
-    if ((length < 0) | (length > max_run)).any():
-        raise ValueError(f"a run's length is outside [0, {max_run}]")
-    real = length > 0
-    if ((src < 0) | (src + length > slots))[real].any():
-        raise ValueError("a source slot is out of range")
-    if ((dst < 0) | (dst + length > slots))[real].any():
-        raise ValueError("a destination slot is out of range")
-    rows = np.arange(length.sum()) - np.repeat(np.cumsum(length) - length, length)
-    _check_hazard(np.repeat(src, length) + rows, np.repeat(dst, length) + rows)
-
-
-# ---- rotation -------------------------------------------------------------------------------
-def phase_table(inv_freq, length: int):
-    """f32[length, D] = [cos | sin] of the fp32 phases p * inv_freq for p < length: what a
-    model's RoPE computes at each position, looked up instead of recomputed per moved row
-    (XLA:CPU spends ~4 ns per sin/cos; a splice of n rows needs 4 n D/2 of them)."""
-    return _phase_rows(jnp.arange(length, dtype=jnp.int32), inv_freq)
-
-
-def _phase_rows(pos, inv_freq):
-    """f32[M, D] = [cos | sin] of the fp32 phases pos * inv_freq."""
-    th = pos.astype(jnp.float32)[:, None] * inv_freq.astype(jnp.float32)
-    return jnp.concatenate([jnp.cos(th), jnp.sin(th)], axis=-1)
-
-
-def _difference(a, b):
-    """cos, sin [M, D/2] of the rotation from phase a to phase b, from their [cos | sin] rows
-    [M, D] by the angle-difference identities."""
-    h = a.shape[-1] // 2
-    ca, sa, cb, sb = a[:, :h], a[:, h:], b[:, :h], b[:, h:]
-    return cb * ca + sb * sa, sb * ca - cb * sa
-
-
-def _rotation(pos_from, pos_to, inv_freq, table=None):
-    """cos, sin f32[M, D/2] of the rotation taking phase pos_from*inv to pos_to*inv."""
-    if table is None:
-        return _difference(_phase_rows(pos_from, inv_freq), _phase_rows(pos_to, inv_freq))
-    return _difference(table.at[pos_from].get(mode="clip"), table.at[pos_to].get(mode="clip"))
-
-
-def as_bits(x):
-    """Same-width unsigned view (bit-exact)."""
-    return jax.lax.bitcast_convert_type(
-        x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[jnp.dtype(x.dtype).itemsize]
-    )
-
-
-def _values(x, k_dtype):
-    """Stored rows -> fp32 values (stored rows may be the raw bits of `k_dtype`)."""
-    return (jax.lax.bitcast_convert_type(x, k_dtype) if x.dtype != k_dtype else x).astype(
-        jnp.float32
-    )
-
-
-def _stored(y, k_dtype, store_dtype):
-    """fp32 values -> stored rows (cast to `k_dtype`, then to its bits if stored as bits)."""
-    y = y.astype(k_dtype)
-    return jax.lax.bitcast_convert_type(y, store_dtype) if store_dtype != k_dtype else y
-
-
 def _rotate_rows(x, cos, sin, k_dtype, store_dtype):
     """Stored rows [..., M, Dk] -> rotated stored rows (math in fp32, cast to k_dtype); each
     row's Dk / D vectors (cos, sin [..., M, D/2]) are rotated alike."""
-    x = _values(x, k_dtype)
+    x = to_values(x, k_dtype)
     h = cos.shape[-1]
     heads = x.shape[-1] // (2 * h)
     if heads > 1:
@@ -247,7 +94,7 @@ def _rotate_rows(x, cos, sin, k_dtype, store_dtype):
         cos, sin = cos[..., None, :], sin[..., None, :]
     x1, x2 = x[..., :h], x[..., h:]
     y = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return _stored(y.reshape(*y.shape[:-2], -1) if heads > 1 else y, k_dtype, store_dtype)
+    return to_stored(y.reshape(*y.shape[:-2], -1) if heads > 1 else y, k_dtype, store_dtype)
 
 
 def _bits16(x):
@@ -298,7 +145,7 @@ def splice_rotate_ref(
         s, d, pf, pt = (
             jax.lax.dynamic_slice_in_dim(a, b * block, block) for a in (src, dst, pos_from, pos_to)
         )
-        cos, sin = _rotation(pf, pt, inv_freq, table)
+        cos, sin = rotation(pf, pt, inv_freq, table)
         y = _rotate_rows(k.at[:, s].get(mode="clip"), cos, sin, k_dtype, k.dtype)
         c = c.at[:, d].set(c.at[:, s].get(mode="clip"), mode="drop")
         k = k.at[:, d].set(y, mode="drop")
@@ -357,7 +204,7 @@ def splice_rotate_jnp(
 
     def body(b, pools):
         s, d, pf, pt = (jax.lax.dynamic_slice_in_dim(a, b * block, block) for a in rows)
-        cos, sin = _rotation(pf, pt, inv_freq, table)
+        cos, sin = rotation(pf, pt, inv_freq, table)
 
         def move(x, rotate):
             y = x.at[s].get(mode="clip")
@@ -511,108 +358,6 @@ def splice_rotate_tpu(
     return tuple(c for c, _ in out), tuple(k for _, k in out)
 
 
-# ---- Pallas GPU kernel (Triton lowering) ----------------------------------------------------
-def _pow2_spans(width: int) -> list[tuple[int, int]]:
-    """[0, width) as (start, size) spans of power-of-two sizes, largest first: Triton blocks
-    must have power-of-two sizes (192 columns: (0, 128), (128, 64))."""
-    spans, start = [], 0
-    for bit in reversed(range(width.bit_length())):
-        if width & (1 << bit):
-            spans.append((start, 1 << bit))
-            start += 1 << bit
-    return spans
-
-
-def _gpu_kernel(src_ref, dst_ref, len_ref, pf_ref, pt_ref, inv_ref, *refs, layers, window, k_dtype):
-    pools = refs[2 * layers :]  # the outputs (aliased with the inputs): cs then ks
-    cs, ks = pools[:layers], pools[layers:]
-    r = pl.program_id(0)
-    s, d = src_ref[r], dst_ref[r]
-    t = jnp.arange(window, dtype=jnp.int32)
-    live = t < len_ref[r]  # rows of the run: padding runs (length 0) touch nothing
-
-    def rows(ref, first, start, size):
-        return ref.at[pl.ds(first, window), pl.ds(start, size)]
-
-    def mask(size):
-        return jnp.broadcast_to(live[:, None], (window, size))
-
-    # the rotation of each row, per power-of-two span of the D/2 frequencies (fp32 phases)
-    h = inv_ref.shape[0]
-    pa = (pf_ref[r] + t).astype(jnp.float32)[:, None]
-    pb = (pt_ref[r] + t).astype(jnp.float32)[:, None]
-    rot = []
-    for start, size in _pow2_spans(h):
-        inv = inv_ref[pl.ds(start, size)][None, :]
-        a, b = pa * inv, pb * inv
-        ca, sa, cb, sb = jnp.cos(a), jnp.sin(a), jnp.cos(b), jnp.sin(b)
-        rot.append((start, size, cb * ca + sb * sa, sb * ca - cb * sa))
-
-    for c in cs:  # bit-exact: the stored values move untouched
-        for start, size in _pow2_spans(c.shape[1]):
-            x = plgpu.load(rows(c, s, start, size), mask=mask(size), other=0)
-            plgpu.store(rows(c, d, start, size), x, mask=mask(size))
-    for k in ks:
-        for head in range(k.shape[1] // (2 * h)):
-            for start, size, cos, sin in rot:
-                lo, hi = head * 2 * h + start, head * 2 * h + h + start
-                x1 = _values(plgpu.load(rows(k, s, lo, size), mask=mask(size), other=0), k_dtype)
-                x2 = _values(plgpu.load(rows(k, s, hi, size), mask=mask(size), other=0), k_dtype)
-                y1 = _stored(x1 * cos - x2 * sin, k_dtype, k.dtype)
-                y2 = _stored(x2 * cos + x1 * sin, k_dtype, k.dtype)
-                plgpu.store(rows(k, d, lo, size), y1, mask=mask(size))
-                plgpu.store(rows(k, d, hi, size), y2, mask=mask(size))
-
-
-@functools.partial(
-    jax.jit,
-    static_argnames=("k_dtype", "max_run", "interpret"),
-    donate_argnums=(0, 1),
-)
-def _gpu(cs, ks, runs, inv_freq, *, k_dtype, max_run, interpret):
-    layers = len(cs)
-    pools = (*cs, *ks)
-    indices = tuple(jnp.asarray(a, jnp.int32) for a in runs)
-    kernel = functools.partial(
-        _gpu_kernel, layers=layers, window=1 << (max_run - 1).bit_length(), k_dtype=k_dtype
-    )
-    out = pl.pallas_call(
-        kernel,
-        grid=(runs.src.shape[0],),
-        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in pools],
-        input_output_aliases={6 + i: i for i in range(len(pools))},
-        interpret=interpret,
-        name="splice_rotate",
-    )(*indices, inv_freq.astype(jnp.float32), *pools)
-    return tuple(out[:layers]), tuple(out[layers:])
-
-
-def splice_rotate_gpu(
-    cs,
-    ks,
-    runs: Runs,
-    inv_freq,
-    *,
-    k_dtype=None,
-    max_run: int = DEFAULT_MAX_RUN,
-    interpret=False,
-):
-    """The Pallas GPU kernel (Triton lowering), one call for every layer; same contract as
-    `splice_rotate_jnp` (cos/sin computed in the kernel). The pools are donated and updated in
-    place. `interpret`: False (compiled) or True (Pallas' generic interpreter)."""
-    validate_runs_static(cs, ks, runs, inv_freq, max_run)
-    k_dtype = jnp.dtype(ks[0].dtype if k_dtype is None else k_dtype)
-    return _gpu(
-        tuple(cs),
-        tuple(ks),
-        Runs(*runs),
-        inv_freq,
-        k_dtype=k_dtype,
-        max_run=max_run,
-        interpret=interpret,
-    )
-
-
 # ---- dispatch -------------------------------------------------------------------------------
 def splice_rotate(
     cs,
@@ -626,8 +371,9 @@ def splice_rotate(
     impl=None,
 ):
     """Move + rotate every layer's pools (`cs` [S, Dc], `ks` [S, Dk] per layer) along `runs`.
-    impl: see `pallas_kernels.dispatch` (None: the TPU kernel on TPU, jnp on every other
-    platform, chosen at lowering). `k_dtype`: see `splice_rotate_ref`; `table`: a
+    impl: see `pallas_kernels.dispatch` (None: the TPU kernel on TPU, the Mosaic GPU kernel on
+    CUDA where it takes the pools (`splice_rotate_gpu.supports`) and the GPU is a Hopper, jnp
+    otherwise, chosen at lowering). `k_dtype`: see `splice_rotate_ref`; `table`: a
     `phase_table`, used by the jnp path. The kernels donate the pools. Concrete runs are
     validated here (`validate_runs_dynamic`); under the caller's jit that is the caller's job.
     """
@@ -637,8 +383,10 @@ def splice_rotate(
     kw = dict(k_dtype=k_dtype, max_run=max_run)
     if impl is None:
         jnp_path = functools.partial(splice_rotate_jnp, table=table, **kw)
-        tpu = functools.partial(splice_rotate_tpu, interpret=False, **kw)
-        return on_platform(jnp_path, (tuple(cs), tuple(ks), Runs(*runs), inv_freq), tpu=tpu)
+        kernels = dict(tpu=functools.partial(splice_rotate_tpu, interpret=False, **kw))
+        if supports(cs, ks, inv_freq, max_run) is None and hopper():
+            kernels["cuda"] = functools.partial(splice_rotate_gpu, interpret=False, **kw)
+        return on_platform(jnp_path, (tuple(cs), tuple(ks), Runs(*runs), inv_freq), **kernels)
     name, target, interpret = resolve(impl, TARGETS)
     if target is None:
         return splice_rotate_jnp(cs, ks, runs, inv_freq, table=table, **kw)

@@ -1,8 +1,15 @@
-"""The kernels' dispatch is chosen per platform when a program is lowered, not by the backend
-jax runs on when it is traced (`pallas_kernels.dispatch.on_platform`): on this CPU, a program
-exported for TPU holds the TPU kernel's call, and exported for CPU or CUDA the jnp path.
-Lowered here, without either accelerator (`jax.export`), at DeepSeek-V2-Lite's attention
-widths.
+"""The lowering gate: the kernels' programs lowered here, without either accelerator
+(`jax.export`), for TPU and for CUDA at real model shapes, each platform's artifact checked for
+its kernel's call, which the Pallas lowering only emits once the kernel fits the chip (shared
+memory and VMEM are checked there: the old GPU splice kernel failed exactly so, at 4.5 GB of
+shared memory).
+
+Shapes: one layer's pools and one step's attention, as the engine runs them (a program per
+layer, the same for every depth) at DeepSeek-V2-Lite's widths (MLA: latent 512 bf16, RoPE band
+64 fp32, 16 heads), DeepSeek-V3's (128 heads) and a Llama-3-8B-shaped GQA model (8 KV heads of
+128, 32 query heads; K and V stored as bf16 bits). The choice is made per platform when the
+program is lowered (`pallas_kernels.dispatch.on_platform`): TPU gets the TPU kernels, CUDA the
+Mosaic GPU splice (attention on CUDA is the jnp path: no GPU attention kernel yet), CPU jnp.
 
 One artifact for several platforms at once (`platforms=["cpu", "tpu"]`) does not lower with
 jax 0.10: it lowers each kept `platform_dependent` branch for every platform of the module, and
@@ -14,52 +21,97 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from pallas_kernels import splice_rotate_gpu
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from pallas_kernels.splice_rotate import Runs, splice_rotate
 
 SDS = jax.ShapeDtypeStruct
 I32 = jnp.int32
-TPU_CALL = "tpu_custom_call"
+CALLS = {"tpu": "tpu_custom_call", "cuda": "mosaic_gpu"}
+PAGES, PAGE = 4096, 16
+# name: (c width, c dtype, k width, k dtype, rotated D/2, query heads, q width)
+MODELS = {
+    "v2-lite": (512, jnp.uint16, 64, jnp.float32, 32, 16, 512),
+    "v3": (512, jnp.uint16, 64, jnp.float32, 32, 128, 512),
+    "llama-8b": (1024, jnp.uint16, 1024, jnp.uint16, 64, 32, 128),
+}
 
 
 def exported_text(fn, args, platforms) -> str:
     return jax.export.export(jax.jit(fn), platforms=platforms)(*args).mlir_module()
 
 
-def splice_args(layers=3, slots=64 * 16, runs=8):
-    cs = tuple(SDS((slots, 512), jnp.bfloat16) for _ in range(layers))
-    ks = tuple(SDS((slots, 64), jnp.bfloat16) for _ in range(layers))
-    return cs, ks, Runs(*[SDS((runs,), I32)] * 5), SDS((32,), jnp.float32)
+def splice_args(model, runs=256):
+    c, c_dt, k, k_dt, h, *_ = MODELS[model]
+    cs, ks = (SDS((PAGES * PAGE, c), c_dt),), (SDS((PAGES * PAGE, k), k_dt),)
+    return cs, ks, Runs(*[SDS((runs,), I32)] * 5), SDS((h,), jnp.float32)
 
 
-def attention_args(tokens=16, rows=4, pages=64, width=8, heads=16):
-    q_lat, q_pe = SDS((tokens, heads, 512), jnp.float32), SDS((tokens, heads, 64), jnp.float32)
-    c_kv, k_pe = SDS((pages, 16, 512), jnp.bfloat16), SDS((pages, 16, 64), jnp.bfloat16)
+def attention_args(model, tokens=128, rows=8, width=512):
+    c, c_dt, k, k_dt, h, heads, q = MODELS[model]
     meta = SDS((rows,), I32), SDS((rows, width), I32), SDS((rows + 1,), I32), SDS((1,), I32)
-    return q_lat, q_pe, c_kv, k_pe, *meta
+    if model == "llama-8b":  # grouped: V and K pages [P, page, G, D], queries [T, N, D]
+        v, kp = SDS((PAGES, PAGE, 8, 128), c_dt), SDS((PAGES, PAGE, 8, 128), k_dt)
+        return None, SDS((tokens, heads, q), jnp.float32), v, kp, *meta
+    q_lat, q_pe = SDS((tokens, heads, q), jnp.float32), SDS((tokens, heads, 2 * h), jnp.float32)
+    return q_lat, q_pe, SDS((PAGES, PAGE, c), c_dt), SDS((PAGES, PAGE, k), k_dt), *meta
 
 
-def splice(impl):
-    return lambda cs, ks, runs, inv: splice_rotate(cs, ks, runs, inv, impl=impl)
+def splice(model, impl=None):
+    k_dtype = jnp.bfloat16 if MODELS[model][3] == jnp.uint16 else None
+    return lambda cs, ks, r, inv: splice_rotate(cs, ks, r, inv, k_dtype=k_dtype, impl=impl)
 
 
-def attention(impl):
-    return lambda *a: ragged_paged_attention(*a, scale=0.1, impl=impl)
+def attention(model, impl=None):
+    c_dt, k_dt = MODELS[model][1], MODELS[model][3]
+    kw = dict(kv_dtype=jnp.bfloat16 if c_dt == jnp.uint16 else None)
+    kw |= dict(k_pe_dtype=jnp.bfloat16 if k_dt == jnp.uint16 else None)
+    return lambda *a: ragged_paged_attention(*a, scale=0.1, impl=impl, **kw)
 
 
-CASES = {"splice": (splice, splice_args), "attention": (attention, attention_args)}
+@pytest.mark.parametrize("model", list(MODELS))
+def test_the_splice_lowers_with_each_platforms_kernel(model):
+    for platform, call in CALLS.items():
+        assert call in exported_text(splice(model), splice_args(model), [platform]), platform
+    cpu = exported_text(splice(model), splice_args(model), ["cpu"])
+    assert not any(call in cpu for call in CALLS.values())  # the jnp path
 
 
-@pytest.mark.parametrize("kernel", list(CASES))
-def test_each_platform_lowers_with_its_kernel(kernel):
-    make, args = CASES[kernel]
-    assert TPU_CALL in exported_text(make(None), args(), ["tpu"])
-    assert TPU_CALL not in exported_text(make(None), args(), ["cpu"])  # the jnp path
-    assert TPU_CALL not in exported_text(make(None), args(), ["cuda"])  # jnp: no GPU kernel yet
+@pytest.mark.parametrize("model", ["v2-lite", "v3"])
+def test_attention_lowers_with_the_tpu_kernel(model):
+    assert CALLS["tpu"] in exported_text(attention(model), attention_args(model), ["tpu"])
+    cuda = exported_text(attention(model), attention_args(model), ["cuda"])
+    assert CALLS["cuda"] not in cuda  # no GPU attention kernel yet: the jnp path
 
 
-@pytest.mark.parametrize("kernel", list(CASES))
-def test_the_check_can_fail(kernel):
-    """Forced onto the jnp path, the TPU artifact holds no kernel call: the check sees it."""
-    make, args = CASES[kernel]
-    assert TPU_CALL not in exported_text(make("jnp"), args(), ["tpu"])
+def test_grouped_attention_lowers_for_each_platform():
+    """The grouped form (GQA) lowers everywhere: on TPU the kernel where its shapes fit (at
+    these, jnp: the kernel's VMEM check refuses them), on CUDA and CPU jnp."""
+    for platform in ("tpu", "cuda", "cpu"):
+        exported_text(attention("llama-8b"), attention_args("llama-8b"), [platform])
+
+
+def test_the_check_can_fail():
+    """Forced onto the jnp path, neither artifact holds a kernel call: the check sees it."""
+    for platform, call in CALLS.items():
+        assert call not in exported_text(
+            splice("v2-lite", "jnp"), splice_args("v2-lite"), [platform]
+        )
+    args = attention_args("v2-lite")
+    assert CALLS["tpu"] not in exported_text(attention("v2-lite", "jnp"), args, ["tpu"])
+
+
+def test_the_gpu_kernel_lowers_through_its_own_compiler_params(monkeypatch):
+    """The GPU splice names Mosaic GPU's compiler params: with jax told to lower Pallas GPU calls
+    through Triton instead, it still lowers through Mosaic GPU; the same kernel without its
+    params then goes to Triton, which cannot lower it (GMEM refs, TMA copies, barriers)."""
+    jax.config.update("jax_pallas_use_mosaic_gpu", False)
+    try:
+        assert CALLS["cuda"] in exported_text(splice("v2-lite"), splice_args("v2-lite"), ["cuda"])
+        monkeypatch.setattr(splice_rotate_gpu, "COMPILER_PARAMS", None)
+        jax.clear_caches()
+        with pytest.raises(NotImplementedError, match="Pallas Triton lowering"):
+            exported_text(splice("v2-lite"), splice_args("v2-lite"), ["cuda"])
+    finally:
+        jax.config.update("jax_pallas_use_mosaic_gpu", True)
+        jax.clear_caches()

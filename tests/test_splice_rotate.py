@@ -1,14 +1,14 @@
-"""splice_rotate: the row reference, the runs implementations (jnp, Pallas TPU, Pallas GPU) and
-the planning of runs, against hand-worked cases and a float64 numpy model.
+"""splice_rotate: the row reference, the runs implementations (jnp, Pallas TPU) and the planning
+of runs, against hand-worked cases and a float64 numpy model (the Mosaic GPU kernel, which
+takes only rows of 128 bytes and up: tests/test_splice_rotate_gpu.py).
 
 The row reference (`splice_rotate_ref`) is tested on its own first. Every runs test then runs
 for each implementation and compares it with both the reference (fed the same moves as rows by
 `runs_to_rows`) and the float64 model: `RunsJnpTest` (the CPU path), `RunsKernelTest` (the
-compiled kernel of this backend, GPU or TPU; accelerator only), and the interpret-mode twins
-`RunsTpuSemanticsTest` (the TPU kernel under the TPU-semantics interpreter, which executes the
-in-place aliasing as hardware would; the same kernel under Pallas' generic interpreter adds
-nothing it checks and took ~70 s here) and `RunsGpuInterpretTest` (the GPU kernel under the
-generic interpreter, its only one).
+compiled TPU kernel; TPU only), and its interpret-mode twin `RunsTpuSemanticsTest` (the TPU
+kernel under the TPU-semantics interpreter, which executes the in-place aliasing as hardware
+would; the same kernel under Pallas' generic interpreter adds nothing it checks and took ~70 s
+here).
 
 Tolerances. `c` is moved bit-exact (rtol=atol=0). Rotated `k`: the math is fp32 — cos/sin of
 phases up to ~1e5 rad (fp32 argument reduction is exact for an fp32 input, result within ~1 ulp),
@@ -325,26 +325,25 @@ class RunsJnpTest:
 
 
 class RunsKernelTest(RunsJnpTest):
-    """The compiled kernel of this backend (the GPU kernel on a GPU, the TPU kernel on a
-    TPU): the device suite runs it."""
+    """The compiled TPU kernel, on a TPU (the device suite runs it there)."""
 
     IMPL = "pallas"
     pytestmark = pytest.mark.accelerator
+
+    @pytest.fixture(autouse=True)
+    def _on_a_tpu(self):
+        if jax.default_backend() != "tpu":
+            pytest.skip("the TPU kernel compiles on a TPU only (GPU: test_splice_rotate_gpu.py)")
 
 
 class RunsTpuSemanticsTest(RunsJnpTest):
     IMPL = "tpu_interpret"
 
 
-class RunsGpuInterpretTest(RunsJnpTest):
-    IMPL = "gpu_interpret"
-
-
 # collected by pytest (names start with Test)
 TestRunsJnp = RunsJnpTest
 TestRunsKernel = RunsKernelTest
 TestRunsTpuSemantics = RunsTpuSemanticsTest
-TestRunsGpuInterpret = RunsGpuInterpretTest
 
 
 @pytest.mark.xla_default

@@ -8,9 +8,10 @@ an AMORTIZE splice of D downstream tokens: a span of `edit_span` tokens after a 
 `edit_prefix` replaced by `edit_stub` (a shift that is not a whole page, so a page's rows split
 into two runs, as a real splice's do), the sequence's pages and the fresh ones scattered over
 the pool (a serving pool after some churn: no run continues across a page). Timed:
-`pallas_kernels.splice_rotate.splice_rotate` of every layer's pools in one jitted, donated step,
-as the directive runs it, with the runs `plan_runs` makes of those rows (impl=None: the
-backend's default; the JSON records which implementation that is). Bytes = D x layers x (R x
+`leyline_jax.splice.splice_pools` (`splice_rotate` over every layer's pools, one jitted,
+donated step a layer, as the directive runs it), with the runs `plan_runs` makes of those rows,
+twice on an accelerator: impl=None (the platform's kernel; each row records the kernel call its
+lowered program holds, if any) and the jnp path beside it. Bytes = D x layers x (R x
 2 B + Dr x 4 B) x 2 (read + write); achieved bandwidth = bytes / time, as a fraction of the
 copy bandwidth measured here (target >= 0.7 on the H200).
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import statistics
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -30,8 +32,9 @@ from benchmarks.device.shapes import sizes
 from leyline_jax.allocator import pages_for
 from leyline_jax.loader import config_from_hf
 from leyline_jax.splice import splice_pools
-from pallas_kernels.dispatch import resolve
-from pallas_kernels.splice_rotate import TARGETS, Runs, phase_table, plan_runs
+from pallas_kernels.splice_rotate import Runs, phase_table, plan_runs
+
+KERNEL_CALLS = {"mosaic_gpu": "mosaic_gpu", "tpu_custom_call": "tpu"}  # call name -> kernel
 
 
 def plan(d: int, prefix: int, span: int, stub: int, ps: int, pages: int) -> Runs:
@@ -48,14 +51,24 @@ def plan(d: int, prefix: int, span: int, stub: int, ps: int, pages: int) -> Runs
     return plan_runs(src, dst, i, j, max_run=ps)
 
 
-def splice_impl() -> dict:
-    """Which splice implementation impl=None runs on this backend (a compiled kernel's target,
-    or None for the jnp path)."""
-    impl = resolve(None, TARGETS)
-    return {"impl": impl.name, "kernel": impl.target}
+def kernel_in(text: str) -> str | None:
+    """The kernel a lowered program calls ("mosaic_gpu", "tpu"), or None (the jnp path)."""
+    return next((k for call, k in KERNEL_CALLS.items() if call in text), None)
 
 
-def time_splice(config, sz, d: int, iters: int) -> tuple[list, int]:
+def splice_impl(config=None) -> dict:
+    """What impl=None runs here: the kernel call in the splice step lowered for this backend at
+    a small pool of `config`'s widths (V2-Lite's by default), or None for the jnp path."""
+    config = config or config_from_hf(sizes(True).hf)
+    state = ll.init_state(config, num_pages=8, page_size=16, max_seqs=1, max_seq_len=128)
+    runs = Runs(*(jnp.zeros(4, jnp.int32) for _ in range(5)))
+    inv = jnp.asarray(config.rope_inv_freq())
+    step = jax.jit(splice_pools, static_argnames="impl")
+    text = step.lower(state.pools, runs, inv, phase_table(inv, 128)).as_text()
+    return {"impl": None, "kernel": kernel_in(text)}
+
+
+def time_splice(config, sz, d: int, iters: int, impl=None) -> tuple[list, int]:
     """(seconds per splice of d downstream tokens, samples; runs per splice), on fresh pools
     sized for it."""
     ps = sz.page_size
@@ -68,7 +81,7 @@ def time_splice(config, sz, d: int, iters: int) -> tuple[list, int]:
     box = {"pools": state.pools}
 
     def run():
-        box["pools"] = splice_pools(box["pools"], device_runs, inv, table, impl=None)
+        box["pools"] = splice_pools(box["pools"], device_runs, inv, table, impl=impl)
         return box["pools"].rotated[-1]
 
     return harness.times(run, repeats=5, iters=iters), len(runs.src)
@@ -84,15 +97,19 @@ def main(argv=None) -> None:
         cfg = dict(layers=config.num_hidden_layers, kv_lora_rank=config.kv_lora_rank)
         cfg |= dict(qk_rope_head_dim=config.qk_rope_head_dim, page_size=sz.page_size)
         cfg |= dict(c_kv_dtype="bfloat16", k_pe_dtype="float32")
-        part.set(device=device, **splice_impl(), copy_bandwidth=bw, config=cfg)
+        impl = splice_impl(config)
+        part.set(device=device, **impl, copy_bandwidth=bw, config=cfg)
         spec = (device["spec_peaks"] or {}).get("hbm_bytes_s")
+        arms = [(None, impl["kernel"])] + ([("jnp", None)] if impl["kernel"] else [])
         for d in part.each(sz.splice_downstream, "downstream={}"):
-            samples, runs = time_splice(config, sz, d, iters=3 if args.smoke else 10)
-            t = statistics.median(samples)
-            nbytes = d * kv_bytes_per_token(config) * 2
-            row = dict(downstream=d, runs=runs, splice_s=t, samples_s=samples, bytes=nbytes)
-            row |= dict(bytes_s=nbytes / t, fraction_of_copy_bw=nbytes / t / bw["bytes_s"])
-            part.add(row | dict(fraction_of_spec_bw=nbytes / t / spec if spec else None))
+            for arm, kernel in arms:
+                samples, runs = time_splice(config, sz, d, 3 if args.smoke else 10, arm)
+                t = statistics.median(samples)
+                nbytes = d * kv_bytes_per_token(config) * 2
+                row = dict(downstream=d, impl=arm, kernel=kernel, runs=runs, splice_s=t)
+                row |= dict(samples_s=samples, bytes=nbytes, bytes_s=nbytes / t)
+                row |= dict(fraction_of_copy_bw=nbytes / t / bw["bytes_s"])
+                part.add(row | dict(fraction_of_spec_bw=nbytes / t / spec if spec else None))
 
 
 if __name__ == "__main__":

@@ -75,8 +75,9 @@ def targets(parts: dict) -> list[dict]:
     """The issue's two targets, read off the largest size each part measured."""
     out = []
     splice = parts.get("splice")
-    if splice and splice["rows"]:
-        r = max(splice["rows"], key=lambda r: r["downstream"])
+    rows = [r for r in (splice or {}).get("rows", []) if r.get("impl") is None]  # the default
+    if rows:
+        r = max(rows, key=lambda r: r["downstream"])
         text = f"splice bandwidth >= 0.7 x copy bandwidth (D = {r['downstream']})"
         out.append(_target(text, r["fraction_of_copy_bw"], 0.7))
     decode = [r for r in parts.get("model", {}).get("rows", []) if r["kind"] == "decode"]

@@ -61,9 +61,10 @@ def _kernels(kernels: dict) -> list[str]:
 
 def _splice(splice: dict) -> list[str]:
     cfg, bw = splice["config"], splice["copy_bandwidth"]
-    header = ["downstream", "runs", "time", "bytes", "GB/s", "of copy bw", "of spec HBM"]
+    header = ["downstream", "path", "runs", "time", "bytes", "GB/s", "of copy bw", "of spec HBM"]
     rows = [
-        [str(r["downstream"]), str(r["runs"]), _ms(r["splice_s"]), f"{r['bytes'] / 1e6:.0f} MB"]
+        [str(r["downstream"]), r.get("kernel") or "jnp", str(r["runs"]), _ms(r["splice_s"])]
+        + [f"{r['bytes'] / 1e6:.0f} MB"]
         + [_num(r["bytes_s"] / 1e9, ".0f")]
         + [_num(r[k], ".0%") for k in ("fraction_of_copy_bw", "fraction_of_spec_bw")]
         for r in splice["rows"]

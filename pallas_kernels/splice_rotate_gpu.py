@@ -1,0 +1,238 @@
+"""splice_rotate's GPU kernel, in Mosaic GPU (Hopper: H100, H200; same contract as
+`pallas_kernels.splice_rotate`, whose module docstring defines runs, pools and the rotation).
+
+One call moves every layer's pools. Programs stride over the runs (program p takes runs p,
+p + P, ...: P = the run count on a device, 1 under the interpreter, whose programs all read
+program id 0). For each run, and for each layer in turn:
+
+- its rows come in by TMA (GMEM -> SMEM), one copy per power-of-two piece of its length (13
+  rows: 8 + 4 + 1; a copy has a static size), each piece on its own barrier, into its own
+  rows of a page-sized SMEM window (`slot`: SMEM is sliced statically);
+- the `k` window is rotated in registers in fp32, each half of each vector ([window, D/2]
+  slices of the SMEM window) against the run's cos/sin rows (`run_rotations`: f32[window,
+  D/2] in the window's row order, computed before the call from each absolute phase by the
+  angle-difference identities as the jnp path does, read once per run for every layer), and
+  written to a second SMEM window;
+- the pieces go out by TMA (SMEM -> GMEM) at the destination: the `c` rows as they came in
+  (bit-exact), the rotated `k` rows. Rows past the run's length in a window are never stored.
+
+Shapes it takes (`supports`): every layer's pools alike; a row of `c` and of `k` a whole
+number of 128 bytes (a copy moves a multiple of a warpgroup's 128 threads' bytes); window x
+D/2 a multiple of 128 (a register array's lanes; 16 x 32 for MLA's `k_pe`). The pools are
+updated in place (input_output_aliases).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.splice_runs import (
+    DEFAULT_MAX_RUN,
+    Runs,
+    rotation,
+    to_stored,
+    to_values,
+    validate_runs_static,
+)
+
+LANES = 128  # threads of a warpgroup
+VEC = 2  # elements a thread holds of a register row: one layout for fp32 and 16-bit values
+COPY_BYTES = 128  # a copy moves a multiple of this (a warpgroup of threads, a byte each)
+COMPILER_PARAMS = plgpu.CompilerParams()  # names the Mosaic GPU lowering, whatever jax's default
+IN_BOUNDS = plgpu.OOBFillMode.PROMISE_IN_BOUNDS  # runs are validated: a plain bulk copy
+
+
+def window_of(max_run: int) -> int:
+    """Rows a run's window holds: the next power of two of `max_run`."""
+    return 1 << (max_run - 1).bit_length()
+
+
+def supports(cs, ks, inv_freq, max_run: int = DEFAULT_MAX_RUN) -> str | None:
+    """None when the kernel takes these pools, else why not (see the module docstring)."""
+    h = int(np.shape(inv_freq)[0])
+    if len({(x.shape, x.dtype) for x in cs}) > 1 or len({(x.shape, x.dtype) for x in ks}) > 1:
+        return "layers' pools differ in shape or dtype"
+    for name, x in (("c", cs[0]), ("k", ks[0])):
+        if x.shape[1] * jnp.dtype(x.dtype).itemsize % COPY_BYTES:
+            row = f"{x.shape[1]} x {jnp.dtype(x.dtype).name}"
+            return f"a {name} row ({row}) is not a multiple of {COPY_BYTES} bytes"
+    if window_of(max_run) * h % (LANES * VEC):
+        return f"window {window_of(max_run)} x D/2 {h} is not a multiple of {LANES * VEC}"
+    return None
+
+
+def _kernel(*refs, layers, **kw):
+    """The scratch (SMEM windows, barriers) is scoped in the kernel: Mosaic GPU's interpreter
+    allocates barriers only there."""
+    c, k = refs[5], refs[5 + layers]
+    window = refs[3].shape[1]
+    pieces = window.bit_length()
+    pl.run_scoped(
+        functools.partial(_body, refs, layers=layers, **kw),
+        plgpu.SMEM((window, c.shape[1]), c.dtype),
+        plgpu.SMEM((window, k.shape[1]), k.dtype),
+        plgpu.SMEM((window, k.shape[1]), k.dtype),
+        plgpu.Barrier(num_arrivals=1, num_barriers=pieces),
+        plgpu.Barrier(num_arrivals=1, num_barriers=pieces),
+    )
+
+
+def _body(refs, c_win, k_win, k_out, c_bar, k_bar, *, layers, programs, k_dtype, interpret):
+    src_ref, dst_ref, len_ref, cos_ref, sin_ref = refs[:5]
+    pools = refs[2 * layers + 5 : 4 * layers + 5]  # the outputs, aliased with the inputs
+    cs, ks = pools[:layers], pools[layers:]
+    window, h = cos_ref.shape[1:]
+    bits = reversed(range(window.bit_length()))
+    sizes = [1 << b for b in bits]  # the pieces a run can have, largest first
+    runs = src_ref.shape[0]
+    p = pl.program_id(0)
+
+    def each(n, action):
+        """action(barrier index, size, the piece's rows in the run, its rows in the window) for
+        each piece of a run of n rows."""
+        for i, size in enumerate(sizes):
+            run_rows = pl.ds(n & -(2 * size), size)  # the larger pieces come first
+            pl.when((n & size) != 0)(
+                functools.partial(action, i, size, run_rows, slot(size, window))
+            )
+
+    def one_run(j, carry):
+        r = p + j * programs
+
+        @pl.when(r < runs)
+        def _():
+            s, d, n = src_ref[r], dst_ref[r], len_ref[r]
+            cos, sin = (
+                strided(cos_ref[r], interpret),
+                strided(sin_ref[r], interpret),
+            )  # f32[window, D/2], all layers
+            for c, k in zip(cs, ks, strict=True):
+
+                def fetch(i, size, run_rows, rows, c=c, k=k):
+                    at = pl.ds(s + run_rows.start, size)
+                    plgpu.copy_gmem_to_smem(
+                        c.at[at], c_win.at[rows], c_bar.at[i], oob_mode=IN_BOUNDS
+                    )
+                    plgpu.copy_gmem_to_smem(
+                        k.at[at], k_win.at[rows], k_bar.at[i], oob_mode=IN_BOUNDS
+                    )
+
+                def wait(i, size, run_rows, rows):
+                    plgpu.barrier_wait(c_bar.at[i])
+                    plgpu.barrier_wait(k_bar.at[i])
+
+                def store(i, size, run_rows, rows, c=c, k=k):
+                    at = pl.ds(d + run_rows.start, size)
+                    plgpu.copy_smem_to_gmem(c_win.at[rows], c.at[at])
+                    plgpu.copy_smem_to_gmem(k_out.at[rows], k.at[at])
+
+                each(n, fetch)
+                each(n, wait)
+                for lo in range(0, k_win.shape[1], 2 * h):  # each vector of the row
+                    first, second = pl.ds(lo, h), pl.ds(lo + h, h)
+                    x1 = to_values(strided(k_win[:, first], interpret), k_dtype)
+                    x2 = to_values(strided(k_win[:, second], interpret), k_dtype)
+                    k_out[:, first] = to_stored(x1 * cos - x2 * sin, k_dtype, k_out.dtype)
+                    k_out[:, second] = to_stored(x2 * cos + x1 * sin, k_dtype, k_out.dtype)
+                plgpu.commit_smem()
+                each(n, store)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the windows are reused
+
+        return carry
+
+    jax.lax.fori_loop(0, pl.cdiv(runs, programs), one_run, 0)
+    plgpu.wait_smem_to_gmem(0)
+
+
+def strided(x, interpret: bool):
+    """A [window, D/2] array in registers, VEC elements a thread whatever its dtype (so stored
+    values and their fp32 cos/sin share one layout). A layout is the compiler's alone: the
+    interpreter, which has no layouts (nor this primitive), takes the values as they are."""
+    if interpret:
+        return x
+    return plgpu.layout_cast(x, plgpu.Layout.WG_STRIDED(tuple(x.shape), vec_size=VEC))
+
+
+def slot(size: int, window: int) -> pl.Slice:
+    """A piece's rows in the window: static (SMEM is sliced statically), disjoint for the
+    pieces of one run (16: 0-15 alone; 8, 4, 2, 1: 0-7, 8-11, 12-13, 14)."""
+    return pl.ds(0 if size == window else window - 2 * size, size)
+
+
+def run_rotations(runs: Runs, inv_freq, window: int):
+    """cos, sin f32[R, window, D/2]: the rotation of each window row (`slot`) of each run, from
+    pos_from + t to pos_to + t for the run's row t it holds (rows no piece fills: harmless
+    values, never stored)."""
+    n = runs.length[:, None]
+    columns = [jnp.zeros_like(n)] * window
+    for size in (1 << b for b in range((window - 1).bit_length())):  # the pieces under a window
+        first, at = n & -(2 * size), slot(size, window).start
+        columns[at : at + size] = [first + i for i in range(size)]
+    t = jnp.where(n == window, jnp.arange(window), jnp.concatenate(columns, axis=1))
+    pos_from = (runs.pos_from[:, None] + t).reshape(-1)
+    pos_to = (runs.pos_to[:, None] + t).reshape(-1)
+    cos, sin = rotation(pos_from, pos_to, inv_freq)
+    shape = (runs.src.shape[0], window, cos.shape[-1])
+    return cos.reshape(shape), sin.reshape(shape)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("k_dtype", "max_run", "interpret"), donate_argnums=(0, 1)
+)
+def _call(cs, ks, runs, inv_freq, *, k_dtype, max_run, interpret):
+    layers, window = len(cs), window_of(max_run)
+    runs = Runs(*(jnp.asarray(a, jnp.int32) for a in runs))
+    cos, sin = run_rotations(runs, inv_freq, window)
+    count = runs.src.shape[0]
+    programs = 1 if interpret else count
+    gmem = pl.BlockSpec(memory_space=plgpu.GMEM)
+    pools = (*cs, *ks)
+    kernel = functools.partial(
+        _kernel, layers=layers, programs=programs, k_dtype=k_dtype, interpret=interpret
+    )
+    out = pl.pallas_call(
+        kernel,
+        grid=(programs,),
+        in_specs=[gmem] * (5 + len(pools)),
+        out_specs=[gmem] * len(pools),
+        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in pools],
+        input_output_aliases={5 + i: i for i in range(len(pools))},
+        compiler_params=COMPILER_PARAMS,
+        interpret=_interpret_params() if interpret else False,
+        name="splice_rotate_gpu",
+    )(*runs[:3], cos, sin, *pools)
+    return tuple(out[:layers]), tuple(out[layers:])
+
+
+def _interpret_params():
+    """Mosaic GPU's interpreter (private in jax 0.10 and 0.11): simulated SMEM, barriers, TMA."""
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    return InterpretGPUParams(uninitialized_memory="zero")  # "nan" does not take barriers
+
+
+def splice_rotate_gpu(
+    cs, ks, runs: Runs, inv_freq, *, k_dtype=None, max_run: int = DEFAULT_MAX_RUN, interpret=False
+):
+    """The Mosaic GPU kernel, one call for every layer; same contract as
+    `pallas_kernels.splice_rotate.splice_rotate_jnp`. The pools are donated and updated in
+    place. `interpret`: False (compiled, on a Hopper GPU) or True (Mosaic GPU's interpreter)."""
+    validate_runs_static(cs, ks, runs, inv_freq, max_run)
+    if why := supports(cs, ks, inv_freq, max_run):
+        raise ValueError(f"the GPU splice kernel does not take these pools: {why}")
+    k_dtype = jnp.dtype(ks[0].dtype if k_dtype is None else k_dtype)
+    return _call(
+        tuple(cs),
+        tuple(ks),
+        Runs(*runs),
+        jnp.asarray(inv_freq, jnp.float32),
+        k_dtype=k_dtype,
+        max_run=max_run,
+        interpret=bool(interpret),
+    )
