@@ -1,9 +1,9 @@
 """splice_rotate's GPU kernel, in Mosaic GPU (Hopper: H100, H200; same contract as
 `pallas_kernels.splice_rotate`, whose module docstring defines runs, pools and the rotation).
 
-One call moves every layer's pools. Programs stride over the runs (program p takes runs p,
-p + P, ...: P = the run count on a device, 1 under the interpreter, whose programs all read
-program id 0). For each run, and for each layer in turn:
+One call (`pl.kernel` over a Mosaic GPU mesh, one program per run; the pools passed as refs,
+so they are aliased in and out) moves every layer's pools. For each run, and for each layer in
+turn:
 
 - its rows come in by TMA (GMEM -> SMEM), one copy per power-of-two piece of its length (13
   rows: 8 + 4 + 1; a copy has a static size), each piece on its own barrier, into its own
@@ -44,7 +44,7 @@ from pallas_kernels.splice_runs import (
 LANES = 128  # threads of a warpgroup
 VEC = 2  # elements a thread holds of a register row: one layout for fp32 and 16-bit values
 COPY_BYTES = 128  # a copy moves a multiple of this (a warpgroup of threads, a byte each)
-COMPILER_PARAMS = plgpu.CompilerParams()  # names the Mosaic GPU lowering, whatever jax's default
+COMPILER_PARAMS = plgpu.CompilerParams()
 IN_BOUNDS = plgpu.OOBFillMode.PROMISE_IN_BOUNDS  # runs are validated: a plain bulk copy
 
 
@@ -67,14 +67,22 @@ def supports(cs, ks, inv_freq, max_run: int = DEFAULT_MAX_RUN) -> str | None:
     return None
 
 
-def _kernel(*refs, layers, **kw):
-    """The scratch (SMEM windows, barriers) is scoped in the kernel: Mosaic GPU's interpreter
-    allocates barriers only there."""
-    c, k = refs[5], refs[5 + layers]
-    window = refs[3].shape[1]
+def _kernel(src_ref, dst_ref, len_ref, cos_ref, sin_ref, *pools, k_dtype, interpret):
+    """One program per run (mesh axis "run"). The scratch (SMEM windows, barriers) is scoped in
+    the kernel (Mosaic GPU's interpreter allocates barriers only there)."""
+    layers = len(pools) // 2
+    c, k = pools[0], pools[layers]
+    window = cos_ref.shape[1]
     pieces = window.bit_length()
     pl.run_scoped(
-        functools.partial(_body, refs, layers=layers, **kw),
+        functools.partial(
+            _body,
+            (src_ref, dst_ref, len_ref, cos_ref, sin_ref),
+            pools[:layers],
+            pools[layers:],
+            k_dtype=k_dtype,
+            interpret=interpret,
+        ),
         plgpu.SMEM((window, c.shape[1]), c.dtype),
         plgpu.SMEM((window, k.shape[1]), k.dtype),
         plgpu.SMEM((window, k.shape[1]), k.dtype),
@@ -83,15 +91,11 @@ def _kernel(*refs, layers, **kw):
     )
 
 
-def _body(refs, c_win, k_win, k_out, c_bar, k_bar, *, layers, programs, k_dtype, interpret):
-    src_ref, dst_ref, len_ref, cos_ref, sin_ref = refs[:5]
-    pools = refs[2 * layers + 5 : 4 * layers + 5]  # the outputs, aliased with the inputs
-    cs, ks = pools[:layers], pools[layers:]
+def _body(runs, cs, ks, c_win, k_win, k_out, c_bar, k_bar, *, k_dtype, interpret):
+    src_ref, dst_ref, len_ref, cos_ref, sin_ref = runs
     window, h = cos_ref.shape[1:]
-    bits = reversed(range(window.bit_length()))
-    sizes = [1 << b for b in bits]  # the pieces a run can have, largest first
-    runs = src_ref.shape[0]
-    p = pl.program_id(0)
+    sizes = [1 << b for b in reversed(range(window.bit_length()))]  # the pieces, largest first
+    r = jax.lax.axis_index("run")
 
     def each(n, action):
         """action(barrier index, size, the piece's rows in the run, its rows in the window) for
@@ -102,51 +106,37 @@ def _body(refs, c_win, k_win, k_out, c_bar, k_bar, *, layers, programs, k_dtype,
                 functools.partial(action, i, size, run_rows, slot(size, window))
             )
 
-    def one_run(j, carry):
-        r = p + j * programs
+    s, d, n = src_ref[r], dst_ref[r], len_ref[r]
+    cos = strided(cos_ref[r], interpret)  # f32[window, D/2], for every layer
+    sin = strided(sin_ref[r], interpret)
+    for c, k in zip(cs, ks, strict=True):
 
-        @pl.when(r < runs)
-        def _():
-            s, d, n = src_ref[r], dst_ref[r], len_ref[r]
-            cos, sin = (
-                strided(cos_ref[r], interpret),
-                strided(sin_ref[r], interpret),
-            )  # f32[window, D/2], all layers
-            for c, k in zip(cs, ks, strict=True):
+        def fetch(i, size, run_rows, rows, c=c, k=k):
+            at = pl.ds(s + run_rows.start, size)
+            plgpu.copy_gmem_to_smem(c.at[at], c_win.at[rows], c_bar.at[i], oob_mode=IN_BOUNDS)
+            plgpu.copy_gmem_to_smem(k.at[at], k_win.at[rows], k_bar.at[i], oob_mode=IN_BOUNDS)
 
-                def fetch(i, size, run_rows, rows, c=c, k=k):
-                    at = pl.ds(s + run_rows.start, size)
-                    plgpu.copy_gmem_to_smem(
-                        c.at[at], c_win.at[rows], c_bar.at[i], oob_mode=IN_BOUNDS
-                    )
-                    plgpu.copy_gmem_to_smem(
-                        k.at[at], k_win.at[rows], k_bar.at[i], oob_mode=IN_BOUNDS
-                    )
+        def wait(i, size, run_rows, rows):
+            plgpu.barrier_wait(c_bar.at[i])
+            plgpu.barrier_wait(k_bar.at[i])
 
-                def wait(i, size, run_rows, rows):
-                    plgpu.barrier_wait(c_bar.at[i])
-                    plgpu.barrier_wait(k_bar.at[i])
+        def store(i, size, run_rows, rows, c=c, k=k):
+            at = pl.ds(d + run_rows.start, size)
+            plgpu.copy_smem_to_gmem(c_win.at[rows], c.at[at])
+            plgpu.copy_smem_to_gmem(k_out.at[rows], k.at[at])
 
-                def store(i, size, run_rows, rows, c=c, k=k):
-                    at = pl.ds(d + run_rows.start, size)
-                    plgpu.copy_smem_to_gmem(c_win.at[rows], c.at[at])
-                    plgpu.copy_smem_to_gmem(k_out.at[rows], k.at[at])
+        each(n, fetch)
+        each(n, wait)
+        for lo in range(0, k_win.shape[1], 2 * h):  # each vector of the row
+            first, second = pl.ds(lo, h), pl.ds(lo + h, h)
+            x1 = to_values(strided(k_win[:, first], interpret), k_dtype)
+            x2 = to_values(strided(k_win[:, second], interpret), k_dtype)
+            k_out[:, first] = to_stored(x1 * cos - x2 * sin, k_dtype, k_out.dtype)
+            k_out[:, second] = to_stored(x2 * cos + x1 * sin, k_dtype, k_out.dtype)
+        plgpu.commit_smem()
+        each(n, store)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the windows are reused
 
-                each(n, fetch)
-                each(n, wait)
-                for lo in range(0, k_win.shape[1], 2 * h):  # each vector of the row
-                    first, second = pl.ds(lo, h), pl.ds(lo + h, h)
-                    x1 = to_values(strided(k_win[:, first], interpret), k_dtype)
-                    x2 = to_values(strided(k_win[:, second], interpret), k_dtype)
-                    k_out[:, first] = to_stored(x1 * cos - x2 * sin, k_dtype, k_out.dtype)
-                    k_out[:, second] = to_stored(x2 * cos + x1 * sin, k_dtype, k_out.dtype)
-                plgpu.commit_smem()
-                each(n, store)
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the windows are reused
-
-        return carry
-
-    jax.lax.fori_loop(0, pl.cdiv(runs, programs), one_run, 0)
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -189,24 +179,17 @@ def _call(cs, ks, runs, inv_freq, *, k_dtype, max_run, interpret):
     layers, window = len(cs), window_of(max_run)
     runs = Runs(*(jnp.asarray(a, jnp.int32) for a in runs))
     cos, sin = run_rotations(runs, inv_freq, window)
-    count = runs.src.shape[0]
-    programs = 1 if interpret else count
-    gmem = pl.BlockSpec(memory_space=plgpu.GMEM)
-    pools = (*cs, *ks)
-    kernel = functools.partial(
-        _kernel, layers=layers, programs=programs, k_dtype=k_dtype, interpret=interpret
-    )
-    out = pl.pallas_call(
-        kernel,
-        grid=(programs,),
-        in_specs=[gmem] * (5 + len(pools)),
-        out_specs=[gmem] * len(pools),
-        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in pools],
-        input_output_aliases={5 + i: i for i in range(len(pools))},
+    pools = [jax.new_ref(x, memory_space=plgpu.GMEM) for x in (*cs, *ks)]  # aliased in, out
+    kernel = pl.kernel(
+        functools.partial(_kernel, k_dtype=k_dtype, interpret=interpret),
+        out_type=(),
+        mesh=plgpu.Mesh(grid=(runs.src.shape[0],), grid_names=("run",)),
         compiler_params=COMPILER_PARAMS,
         interpret=_interpret_params() if interpret else False,
         name="splice_rotate_gpu",
-    )(*runs[:3], cos, sin, *pools)
+    )
+    kernel(*runs[:3], cos, sin, *pools)
+    out = [ref[...] for ref in pools]
     return tuple(out[:layers]), tuple(out[layers:])
 
 

@@ -21,7 +21,6 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels import splice_rotate_gpu
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from pallas_kernels.splice_rotate import Runs, splice_rotate
 
@@ -101,17 +100,14 @@ def test_the_check_can_fail():
     assert CALLS["tpu"] not in exported_text(attention("v2-lite", "jnp"), args, ["tpu"])
 
 
-def test_the_gpu_kernel_lowers_through_its_own_compiler_params(monkeypatch):
-    """The GPU splice names Mosaic GPU's compiler params: with jax told to lower Pallas GPU calls
-    through Triton instead, it still lowers through Mosaic GPU; the same kernel without its
-    params then goes to Triton, which cannot lower it (GMEM refs, TMA copies, barriers)."""
-    jax.config.update("jax_pallas_use_mosaic_gpu", False)
-    try:
-        assert CALLS["cuda"] in exported_text(splice("v2-lite"), splice_args("v2-lite"), ["cuda"])
-        monkeypatch.setattr(splice_rotate_gpu, "COMPILER_PARAMS", None)
-        jax.clear_caches()
-        with pytest.raises(NotImplementedError, match="Pallas Triton lowering"):
-            exported_text(splice("v2-lite"), splice_args("v2-lite"), ["cuda"])
-    finally:
-        jax.config.update("jax_pallas_use_mosaic_gpu", True)
-        jax.clear_caches()
+def test_a_kernel_past_shared_memory_fails_the_gate():
+    """The gate's other half: a GPU splice whose windows cannot fit a Hopper's 227 KB of shared
+    memory (runs of 256 rows of Llama-8B's 2 KB V and K: 1.5 MB) is refused when lowered, as
+    the old GPU kernel was; the real window (16 rows: 96 KB) lowers."""
+    args = splice_args("llama-8b")
+    big = lambda cs, ks, r, inv: splice_rotate(  # noqa: E731
+        cs, ks, r, inv, k_dtype=jnp.bfloat16, max_run=256
+    )
+    with pytest.raises(Exception, match="shared memory"):
+        exported_text(big, args, ["cuda"])
+    assert CALLS["cuda"] in exported_text(splice("llama-8b"), args, ["cuda"])
