@@ -5,21 +5,22 @@ One call (`pl.kernel` over a Mosaic GPU mesh, one program per run; the pools pas
 so they are aliased in and out) moves every layer's pools. For each run, and for each layer in
 turn:
 
-- its rows come in by TMA (GMEM -> SMEM), one copy per power-of-two piece of its length (13
-  rows: 8 + 4 + 1; a copy has a static size), each piece on its own barrier, into its own
+- its `k` rows come in by TMA (GMEM -> SMEM), one copy per power-of-two piece of its length
+  (13 rows: 8 + 4 + 1; a copy has a static size), each piece on its own barrier, into its own
   rows of a page-sized SMEM window (`slot`: SMEM is sliced statically);
+- meanwhile its `c` rows move bit-exact piece by piece through registers (GMEM -> GMEM): a
+  plain copy needs no shared memory, so more programs fit on an SM;
 - the `k` window is rotated in registers in fp32, each half of each vector ([window, D/2]
   slices of the SMEM window) against the run's cos/sin rows (`run_rotations`: f32[window,
   D/2] in the window's row order, computed before the call from each absolute phase by the
-  angle-difference identities as the jnp path does, read once per run for every layer), and
-  written to a second SMEM window;
-- the pieces go out by TMA (SMEM -> GMEM) at the destination: the `c` rows as they came in
-  (bit-exact), the rotated `k` rows. Rows past the run's length in a window are never stored.
+  angle-difference identities as the jnp path does, read once per run for every layer),
+  written to a second SMEM window, and its pieces go out by TMA (SMEM -> GMEM) at the
+  destination. Rows past the run's length are never stored.
 
-Shapes it takes (`supports`): every layer's pools alike; a row of `c` and of `k` a whole
-number of 128 bytes (a copy moves a multiple of a warpgroup's 128 threads' bytes); window x
-D/2 a multiple of 128 (a register array's lanes; 16 x 32 for MLA's `k_pe`). The pools are
-updated in place (input_output_aliases).
+Shapes it takes (`supports`): every layer's pools alike; a `c` row a multiple of 128 elements
+(a warpgroup's lanes); a `k` row a whole number of 128 bytes (a copy moves a multiple of a
+warpgroup's 128 threads' bytes); window x D/2 a multiple of 256 (two values a lane; 16 x 32
+for MLA's `k_pe`). The pools are updated in place (passed as refs).
 """
 
 from __future__ import annotations
@@ -58,10 +59,11 @@ def supports(cs, ks, inv_freq, max_run: int = DEFAULT_MAX_RUN) -> str | None:
     h = int(np.shape(inv_freq)[0])
     if len({(x.shape, x.dtype) for x in cs}) > 1 or len({(x.shape, x.dtype) for x in ks}) > 1:
         return "layers' pools differ in shape or dtype"
-    for name, x in (("c", cs[0]), ("k", ks[0])):
-        if x.shape[1] * jnp.dtype(x.dtype).itemsize % COPY_BYTES:
-            row = f"{x.shape[1]} x {jnp.dtype(x.dtype).name}"
-            return f"a {name} row ({row}) is not a multiple of {COPY_BYTES} bytes"
+    if cs[0].shape[1] % LANES:
+        return f"a c row of {cs[0].shape[1]} is not a multiple of {LANES} elements"
+    if ks[0].shape[1] * jnp.dtype(ks[0].dtype).itemsize % COPY_BYTES:
+        row = f"{ks[0].shape[1]} x {jnp.dtype(ks[0].dtype).name}"
+        return f"a k row ({row}) is not a multiple of {COPY_BYTES} bytes"
     if window_of(max_run) * h % (LANES * VEC):
         return f"window {window_of(max_run)} x D/2 {h} is not a multiple of {LANES * VEC}"
     return None
@@ -71,7 +73,7 @@ def _kernel(src_ref, dst_ref, len_ref, cos_ref, sin_ref, *pools, k_dtype, interp
     """One program per run (mesh axis "run"). The scratch (SMEM windows, barriers) is scoped in
     the kernel (Mosaic GPU's interpreter allocates barriers only there)."""
     layers = len(pools) // 2
-    c, k = pools[0], pools[layers]
+    k = pools[layers]
     window = cos_ref.shape[1]
     pieces = window.bit_length()
     pl.run_scoped(
@@ -83,15 +85,13 @@ def _kernel(src_ref, dst_ref, len_ref, cos_ref, sin_ref, *pools, k_dtype, interp
             k_dtype=k_dtype,
             interpret=interpret,
         ),
-        plgpu.SMEM((window, c.shape[1]), c.dtype),
         plgpu.SMEM((window, k.shape[1]), k.dtype),
         plgpu.SMEM((window, k.shape[1]), k.dtype),
-        plgpu.Barrier(num_arrivals=1, num_barriers=pieces),
         plgpu.Barrier(num_arrivals=1, num_barriers=pieces),
     )
 
 
-def _body(runs, cs, ks, c_win, k_win, k_out, c_bar, k_bar, *, k_dtype, interpret):
+def _body(runs, cs, ks, k_win, k_out, k_bar, *, k_dtype, interpret):
     src_ref, dst_ref, len_ref, cos_ref, sin_ref = runs
     window, h = cos_ref.shape[1:]
     sizes = [1 << b for b in reversed(range(window.bit_length()))]  # the pieces, largest first
@@ -111,21 +111,21 @@ def _body(runs, cs, ks, c_win, k_win, k_out, c_bar, k_bar, *, k_dtype, interpret
     sin = strided(sin_ref[r], interpret)
     for c, k in zip(cs, ks, strict=True):
 
-        def fetch(i, size, run_rows, rows, c=c, k=k):
+        def fetch(i, size, run_rows, rows, k=k):
             at = pl.ds(s + run_rows.start, size)
-            plgpu.copy_gmem_to_smem(c.at[at], c_win.at[rows], c_bar.at[i], oob_mode=IN_BOUNDS)
             plgpu.copy_gmem_to_smem(k.at[at], k_win.at[rows], k_bar.at[i], oob_mode=IN_BOUNDS)
 
+        def copy(i, size, run_rows, rows, c=c):  # GMEM -> registers -> GMEM, bit-exact
+            c[pl.ds(d + run_rows.start, size)] = c[pl.ds(s + run_rows.start, size)]
+
         def wait(i, size, run_rows, rows):
-            plgpu.barrier_wait(c_bar.at[i])
             plgpu.barrier_wait(k_bar.at[i])
 
-        def store(i, size, run_rows, rows, c=c, k=k):
-            at = pl.ds(d + run_rows.start, size)
-            plgpu.copy_smem_to_gmem(c_win.at[rows], c.at[at])
-            plgpu.copy_smem_to_gmem(k_out.at[rows], k.at[at])
+        def store(i, size, run_rows, rows, k=k):
+            plgpu.copy_smem_to_gmem(k_out.at[rows], k.at[pl.ds(d + run_rows.start, size)])
 
         each(n, fetch)
+        each(n, copy)  # while the k rows come in
         each(n, wait)
         for lo in range(0, k_win.shape[1], 2 * h):  # each vector of the row
             first, second = pl.ds(lo, h), pl.ds(lo + h, h)

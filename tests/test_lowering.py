@@ -102,8 +102,8 @@ def test_the_check_can_fail():
 
 def test_a_kernel_past_shared_memory_fails_the_gate():
     """The gate's other half: a GPU splice whose windows cannot fit a Hopper's 227 KB of shared
-    memory (runs of 256 rows of Llama-8B's 2 KB V and K: 1.5 MB) is refused when lowered, as
-    the old GPU kernel was; the real window (16 rows: 96 KB) lowers."""
+    memory (runs of 256 rows: two windows of Llama-8B's 2 KB K rows, 1 MB) is refused when
+    lowered, as the old GPU kernel was; the real window (16 rows: 64 KB) lowers."""
     args = splice_args("llama-8b")
     big = lambda cs, ks, r, inv: splice_rotate(  # noqa: E731
         cs, ks, r, inv, k_dtype=jnp.bfloat16, max_run=256

@@ -2,10 +2,11 @@
 interpreter here (simulated SMEM, barriers and copies) and compiled on a Hopper GPU (the device
 suite runs those: accelerator only), against the float64 model and the jnp path.
 
-Shapes are ones the kernel takes (`supports`: rows of 128 bytes and up, window x D/2 a multiple
-of 128), each band both typed and stored as raw bits. Tolerances as in test_splice_rotate.py:
-`c` bit-exact; rotated `k` within 2e-6 x |k| of the float64 model for fp32 storage (4e-3 for
-bf16), and within 1e-6 x |k| of the jnp path, which computes cos/sin by the same identities."""
+Shapes are ones the kernel takes (`supports`: c rows of 128 elements, k rows of 128 bytes,
+window x D/2 a multiple of 256), each band both typed and stored as raw bits. Tolerances as in
+test_splice_rotate.py: `c` bit-exact; rotated `k` within 2e-6 x |k| of the float64 model for
+fp32 storage (4e-3 for bf16), and within 1e-6 x |k| of the jnp path, which computes cos/sin by
+the same identities."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from tests.test_splice_rotate import PAGE, f32, inv_freq, make_runs, model64, ru
 SLOTS = 64 * PAGE
 
 
-def pools(rng, layers=2, c_width=64, k_width=64, c_dtype=jnp.bfloat16, k_dtype=jnp.float32):
+def pools(rng, layers=2, c_width=128, k_width=64, c_dtype=jnp.bfloat16, k_dtype=jnp.float32):
     c = jnp.asarray(rng.standard_normal((layers, SLOTS, c_width)), c_dtype)
     k = jnp.asarray(rng.standard_normal((layers, SLOTS, k_width)), k_dtype)
     return np.array(c), np.array(k)
@@ -161,16 +162,16 @@ def test_a_wrong_slot_is_caught(monkeypatch):
 
 
 def test_shapes_it_does_not_take_are_refused():
-    """Rows under 128 bytes or a window x D/2 under a warpgroup's lanes: a clear error, and the
-    default dispatch keeps such pools on the jnp path."""
+    """A c row under 128 elements or a window x D/2 under two values a lane: a clear error, and
+    the default dispatch keeps such pools on the jnp path."""
     c, k = np.zeros((1, SLOTS, 8), np.float32), np.zeros((1, SLOTS, 64), np.float32)
     runs = runs_of([0], [40], [3], [0], [1])
-    with pytest.raises(ValueError, match="c row .* not a multiple of 128 bytes"):
+    with pytest.raises(ValueError, match="c row of 8 is not a multiple of 128 elements"):
         gpu.splice_rotate_gpu(
             tuple(map(jnp.asarray, c)), tuple(map(jnp.asarray, k)), runs, inv_freq(64)
         )
     assert "window 16 x D/2 4" in gpu.supports(
-        [jnp.zeros((4, 64))], [jnp.zeros((4, 64))], inv_freq(8)
+        [jnp.zeros((4, 128))], [jnp.zeros((4, 64))], inv_freq(8)
     )
     assert (
         gpu.supports([jnp.zeros((4, 512), jnp.bfloat16)], [jnp.zeros((4, 64))], inv_freq(64))
