@@ -34,8 +34,11 @@ def _version(name: str) -> str | None:
 
 
 def git_commit() -> dict | None:
-    """The checkout's commit (and whether it has changes); LEYLINE_COMMIT where there is no
-    .git (a device machine gets a copy of the working tree, not the repository)."""
+    """LEYLINE_COMMIT where given (a device machine gets a copy of the working tree, whose .git
+    may be absent or older than the tree), else the checkout's commit and whether it has
+    changes."""
+    if given := os.environ.get("LEYLINE_COMMIT"):
+        return {"commit": given, "dirty": None}
 
     def git(*args) -> str:
         run = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True)
@@ -45,8 +48,7 @@ def git_commit() -> dict | None:
         dirty = git("status", "--porcelain", "--untracked-files=no")
         return {"commit": git("rev-parse", "HEAD"), "dirty": bool(dirty)}
     except (OSError, subprocess.CalledProcessError):
-        given = os.environ.get("LEYLINE_COMMIT")
-        return {"commit": given, "dirty": None} if given else None
+        return None
 
 
 def part_status(out: str, name: str, code: int, wall: float) -> tuple[dict, dict | None]:
