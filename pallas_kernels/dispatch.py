@@ -11,7 +11,8 @@ A kernel module says which accelerators it has a compiled kernel for (its `targe
 - "jnp": the reference.
 - "pallas": the compiled kernel for this backend (on a backend it has no version for, the first
   target's kernel, which then fails to compile there).
-- "interpret": that kernel under Pallas' generic interpreter.
+- "interpret": that kernel under its interpreter (Pallas' generic one for the TPU kernel,
+  Mosaic GPU's for the GPU kernel).
 - "tpu_interpret": the TPU kernel under the TPU-semantics interpreter, which executes in-place
   aliasing as the hardware would (the generic interpreter gathers before it scatters).
 - "gpu_interpret": the GPU kernel under Mosaic GPU's interpreter (simulated shared memory,
@@ -31,7 +32,7 @@ IMPLS = ("jnp", "pallas", "interpret", "tpu_interpret", "gpu_interpret")
 class Impl(NamedTuple):
     name: str  # one of IMPLS
     target: str | None  # the kernel that runs: "tpu" or "gpu"; None for the jnp reference
-    interpret: object  # what `pallas_call(interpret=...)` takes; None for the jnp reference
+    interpret: object  # what the kernel's `interpret=` takes; None for the jnp reference
 
 
 def on_platform(reference, args: tuple, **kernels):
@@ -42,13 +43,14 @@ def on_platform(reference, args: tuple, **kernels):
 
 
 def hopper() -> bool:
-    """Whether a CUDA lowering may take a Mosaic GPU kernel (compute capability 9.0 and up):
-    False only when jax runs on an older NVIDIA GPU now; a program traced elsewhere and lowered
-    for CUDA assumes a Hopper (H100, H200)."""
+    """Whether a CUDA lowering may take a Mosaic GPU kernel (compute capability 9.x or 10.x:
+    Hopper, datacenter Blackwell): False only when jax runs on another GPU now; a program
+    traced elsewhere and lowered for CUDA assumes a Hopper (H100, H200)."""
     if jax.default_backend() != "gpu":
         return True
-    capability = getattr(jax.devices()[0], "compute_capability", "9.0")
-    return float(capability) >= 9.0
+    capability = str(getattr(jax.devices()[0], "compute_capability", ""))
+    major = capability.split(".")[0]
+    return major.isdigit() and int(major) in (9, 10)
 
 
 def resolve(impl: str | None, targets: tuple[str, ...] = ("tpu",)) -> Impl:

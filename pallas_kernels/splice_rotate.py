@@ -37,15 +37,17 @@ Implementations (one contract):
   one DMA each copying `c` rows HBM -> HBM and one bringing `k` rows to VMEM; the block's `k`
   rows are rotated in fp32 and written back by DMA, piece by piece.
 - `splice_rotate_gpu` (`pallas_kernels.splice_rotate_gpu`): a Mosaic GPU kernel for Hopper,
-  one call for all layers: each run's pieces come in by TMA, `k` is rotated in registers, the
-  pieces go out by TMA (see that module). Pre-Hopper GPUs take the jnp path.
+  one call for all layers: each run's `k` pieces come in and go out by TMA, rotated in
+  registers between; its `c` rows are copied through registers (see that module). Pre-Hopper
+  GPUs take the jnp path.
 - `splice_rotate`: the dispatch (`pallas_kernels.dispatch`: by default the TPU kernel on TPU,
   the GPU kernel on CUDA where it takes the pools, jnp elsewhere, chosen when the program is
   lowered; the interpret modes on request).
 The contract's shared parts (runs, their planning and validation, the rotation's fp32 math)
 live in `pallas_kernels.splice_runs`.
-The kernels update the pools in place (input_output_aliases): only destination rows are
-written, which is safe because destinations are never sources.
+The kernels update the pools in place (the TPU kernel by input_output_aliases, the GPU kernel
+through refs): only destination rows are written, which is safe because destinations are never
+sources.
 """
 
 from __future__ import annotations

@@ -17,10 +17,12 @@ turn:
   written to a second SMEM window, and its pieces go out by TMA (SMEM -> GMEM) at the
   destination. Rows past the run's length are never stored.
 
-Shapes it takes (`supports`): every layer's pools alike; a `c` row a multiple of 128 elements
-(a warpgroup's lanes); a `k` row a whole number of 128 bytes (a copy moves a multiple of a
-warpgroup's 128 threads' bytes); window x D/2 a multiple of 256 (two values a lane; 16 x 32
-for MLA's `k_pe`). The pools are updated in place (passed as refs).
+Shapes it takes (`supports`): a `c` row a multiple of 128 elements (a warpgroup's lanes); a `k`
+row a whole number of 128 bytes (Mosaic GPU's copy lowering takes byte counts divisible by a
+warpgroup's 128 threads); window x D/2 a multiple of 256 (two values a lane; 16 x 32 for MLA's
+`k_pe`); two `k` windows within 200 KB of shared memory. The pools are updated in place
+(passed as refs). Runs must keep the run contract (`validate_runs_dynamic`, checked here when
+they are concrete): the copies are told their rows are inside the pool.
 """
 
 from __future__ import annotations
@@ -39,14 +41,15 @@ from pallas_kernels.splice_runs import (
     rotation,
     to_stored,
     to_values,
+    validate_runs_dynamic,
     validate_runs_static,
 )
 
 LANES = 128  # threads of a warpgroup
 VEC = 2  # elements a thread holds of a register row: one layout for fp32 and 16-bit values
-COPY_BYTES = 128  # a copy moves a multiple of this (a warpgroup of threads, a byte each)
-COMPILER_PARAMS = plgpu.CompilerParams()
-IN_BOUNDS = plgpu.OOBFillMode.PROMISE_IN_BOUNDS  # runs are validated: a plain bulk copy
+COPY_BYTES = 128  # Mosaic GPU's copy lowering takes byte counts divisible by a warpgroup's size
+SMEM_BYTES = 200 * 1024  # of a Hopper's 227 KB of shared memory an SM: the two k windows' cap
+IN_BOUNDS = plgpu.OOBFillMode.PROMISE_IN_BOUNDS  # runs inside the pool (the run contract)
 
 
 def window_of(max_run: int) -> int:
@@ -56,16 +59,16 @@ def window_of(max_run: int) -> int:
 
 def supports(cs, ks, inv_freq, max_run: int = DEFAULT_MAX_RUN) -> str | None:
     """None when the kernel takes these pools, else why not (see the module docstring)."""
-    h = int(np.shape(inv_freq)[0])
-    if len({(x.shape, x.dtype) for x in cs}) > 1 or len({(x.shape, x.dtype) for x in ks}) > 1:
-        return "layers' pools differ in shape or dtype"
+    h, window = int(np.shape(inv_freq)[0]), window_of(max_run)
     if cs[0].shape[1] % LANES:
         return f"a c row of {cs[0].shape[1]} is not a multiple of {LANES} elements"
     if ks[0].shape[1] * jnp.dtype(ks[0].dtype).itemsize % COPY_BYTES:
         row = f"{ks[0].shape[1]} x {jnp.dtype(ks[0].dtype).name}"
         return f"a k row ({row}) is not a multiple of {COPY_BYTES} bytes"
-    if window_of(max_run) * h % (LANES * VEC):
-        return f"window {window_of(max_run)} x D/2 {h} is not a multiple of {LANES * VEC}"
+    if window * h % (LANES * VEC):
+        return f"window {window} x D/2 {h} is not a multiple of {LANES * VEC}"
+    if (smem := 2 * window * ks[0].shape[1] * jnp.dtype(ks[0].dtype).itemsize) > SMEM_BYTES:
+        return f"two k windows of {window} rows take {smem} bytes of shared memory"
     return None
 
 
@@ -184,7 +187,6 @@ def _call(cs, ks, runs, inv_freq, *, k_dtype, max_run, interpret):
         functools.partial(_kernel, k_dtype=k_dtype, interpret=interpret),
         out_type=(),
         mesh=plgpu.Mesh(grid=(runs.src.shape[0],), grid_names=("run",)),
-        compiler_params=COMPILER_PARAMS,
         interpret=_interpret_params() if interpret else False,
         name="splice_rotate_gpu",
     )
@@ -207,6 +209,8 @@ def splice_rotate_gpu(
     `pallas_kernels.splice_rotate.splice_rotate_jnp`. The pools are donated and updated in
     place. `interpret`: False (compiled, on a Hopper GPU) or True (Mosaic GPU's interpreter)."""
     validate_runs_static(cs, ks, runs, inv_freq, max_run)
+    if not any(isinstance(a, jax.core.Tracer) for a in runs):
+        validate_runs_dynamic(cs[0].shape[0], runs, max_run)
     if why := supports(cs, ks, inv_freq, max_run):
         raise ValueError(f"the GPU splice kernel does not take these pools: {why}")
     k_dtype = jnp.dtype(ks[0].dtype if k_dtype is None else k_dtype)

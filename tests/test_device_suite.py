@@ -41,7 +41,8 @@ def test_smoke_writes_every_part(tmp_path):
     # on CPU tests/conftest.py skips every accelerator test it collects
     assert k["counts"]["passed"] == 0
 
-    assert [r["downstream"] for r in parts["splice"]["rows"]] == [256, 1024]
+    default = [r for r in parts["splice"]["rows"] if r["impl"] is None]  # jnp beside: a device's
+    assert [r["downstream"] for r in default] == [256, 1024]
     for r in parts["splice"]["rows"]:
         assert positive(r["splice_s"]) and positive(r["fraction_of_copy_bw"])
 

@@ -122,8 +122,7 @@ def test_no_function_is_longer_than_a_screenful_outside_the_kernels():
     long = {
         name: found
         for name, tree in sources().items()
-        if not name.startswith("pallas_kernels")
-        and (found := long_functions(tree, MAX_FUNCTION))
+        if not name.startswith("pallas_kernels") and (found := long_functions(tree, MAX_FUNCTION))
     }
     assert not long, long
 

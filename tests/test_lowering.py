@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from pallas_kernels import splice_rotate_gpu
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from pallas_kernels.splice_rotate import Runs, splice_rotate
 
@@ -87,7 +88,8 @@ def test_grouped_attention_lowers_for_each_platform():
     """The grouped form (GQA) lowers everywhere: on TPU the kernel where its shapes fit (at
     these, jnp: the kernel's VMEM check refuses them), on CUDA and CPU jnp."""
     for platform in ("tpu", "cuda", "cpu"):
-        exported_text(attention("llama-8b"), attention_args("llama-8b"), [platform])
+        text = exported_text(attention("llama-8b"), attention_args("llama-8b"), [platform])
+        assert not any(call in text for call in CALLS.values())
 
 
 def test_the_check_can_fail():
@@ -100,14 +102,17 @@ def test_the_check_can_fail():
     assert CALLS["tpu"] not in exported_text(attention("v2-lite", "jnp"), args, ["tpu"])
 
 
-def test_a_kernel_past_shared_memory_fails_the_gate():
+def test_a_kernel_past_shared_memory_fails_the_gate(monkeypatch):
     """The gate's other half: a GPU splice whose windows cannot fit a Hopper's 227 KB of shared
     memory (runs of 256 rows: two windows of Llama-8B's 2 KB K rows, 1 MB) is refused when
-    lowered, as the old GPU kernel was; the real window (16 rows: 64 KB) lowers."""
+    lowered, as the old GPU kernel was (`supports` keeps such pools on jnp first: here it is
+    told not to); the real window (16 rows: 64 KB) lowers."""
     args = splice_args("llama-8b")
-    big = lambda cs, ks, r, inv: splice_rotate(  # noqa: E731
+    big = lambda cs, ks, r, inv: splice_rotate_gpu.splice_rotate_gpu(  # noqa: E731
         cs, ks, r, inv, k_dtype=jnp.bfloat16, max_run=256
     )
+    monkeypatch.setattr(splice_rotate_gpu, "supports", lambda *a, **k: None)
     with pytest.raises(Exception, match="shared memory"):
         exported_text(big, args, ["cuda"])
+    monkeypatch.undo()
     assert CALLS["cuda"] in exported_text(splice("llama-8b"), args, ["cuda"])

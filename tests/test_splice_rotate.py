@@ -1,6 +1,6 @@
 """splice_rotate: the row reference, the runs implementations (jnp, Pallas TPU) and the planning
 of runs, against hand-worked cases and a float64 numpy model (the Mosaic GPU kernel, which
-takes only rows of 128 bytes and up: tests/test_splice_rotate_gpu.py).
+takes c rows of 128 elements and k rows of 128 bytes and up: tests/test_splice_rotate_gpu.py).
 
 The row reference (`splice_rotate_ref`) is tested on its own first. Every runs test then runs
 for each implementation and compares it with both the reference (fed the same moves as rows by

@@ -93,7 +93,7 @@ class GpuKernelTest:
 
     def test_poisoned_rows_are_never_read(self):
         """Every row no run reads is NaN (unused pages, the window past a run's end): the moved
-        rows stay finite; the pool's first and last slots are read and written."""
+        rows stay finite; runs read the pool's first and last slots."""
         rng = np.random.default_rng(1)
         c, k = pools(rng, c_dtype=jnp.float32)
         runs = runs_of(
@@ -162,10 +162,16 @@ def test_a_wrong_slot_is_caught(monkeypatch):
 
 
 def test_shapes_it_does_not_take_are_refused():
-    """A c row under 128 elements or a window x D/2 under two values a lane: a clear error, and
-    the default dispatch keeps such pools on the jnp path."""
+    """A c row under 128 elements, a k row off 128 bytes, a window x D/2 under two values a lane
+    or k windows past shared memory: a clear error, and the default dispatch keeps such pools
+    on the jnp path."""
     c, k = np.zeros((1, SLOTS, 8), np.float32), np.zeros((1, SLOTS, 64), np.float32)
     runs = runs_of([0], [40], [3], [0], [1])
+    odd_k = [jnp.zeros((4, 40), jnp.bfloat16)]  # 80 bytes
+    assert "k row (40 x bfloat16)" in gpu.supports([jnp.zeros((4, 128))], odd_k, inv_freq(20))
+    assert "shared memory" in gpu.supports(
+        [jnp.zeros((4, 128))], [jnp.zeros((4, 4096), jnp.bfloat16)], inv_freq(64)
+    )
     with pytest.raises(ValueError, match="c row of 8 is not a multiple of 128 elements"):
         gpu.splice_rotate_gpu(
             tuple(map(jnp.asarray, c)), tuple(map(jnp.asarray, k)), runs, inv_freq(64)

@@ -54,7 +54,7 @@ def describe(part: report.Part, config, sz) -> None:
     cfg = dict(layers=config.num_hidden_layers, full_layers=full, layers_note=note)
     cfg |= dict(prefix=sz.edit_prefix, span=sz.edit_span, stub=sz.edit_stub)
     cfg |= dict(page_size=sz.page_size, weights="bfloat16")
-    part.set(device=measure.device_info(), splice=splice_impl(config), config=cfg)
+    part.set(device=measure.device_info(), splice=splice_impl(config, sz.page_size), config=cfg)
 
 
 def main(argv=None) -> None:

@@ -70,8 +70,8 @@ def _splice(splice: dict) -> list[str]:
         for r in splice["rows"]
     ]
     caption = (
-        f"Splice pass (`splice_rotate`, impl `{splice['impl']}`, kernel "
-        f"`{splice['kernel']}`; {cfg['layers']} layers, "
+        f"Splice pass (`splice_pools`, impl None: `{splice['kernel'] or 'jnp'}`"
+        f"{', the jnp path beside it' if splice['kernel'] else ''}; {cfg['layers']} layers, "
         f"c_kv {cfg['kv_lora_rank']} bf16 + k_pe {cfg['qk_rope_head_dim']} fp32, page "
         f"{cfg['page_size']}); copy bandwidth measured in the same run: "
         f"{bw['bytes_s'] / 1e9:.0f} GB/s (read + write)."
@@ -90,7 +90,7 @@ def _edit(edit: dict) -> list[str]:
     caption = (
         f"AMORTIZE vs FORGET (`apply_directive`; {cfg['layers']} of "
         f"{cfg['full_layers']} layers{note}; prefix {cfg['prefix']}, span {cfg['span']} -> "
-        f"stub {cfg['stub']}; splice impl `{edit['splice']['impl']}`):"
+        f"stub {cfg['stub']}; splice `{edit['splice']['kernel'] or 'jnp'}`):"
     )
     return section(caption, ["downstream", "AMORTIZE", "FORGET", "FORGET / AMORTIZE"], rows)
 
