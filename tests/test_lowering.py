@@ -10,6 +10,8 @@ layer, the same for every depth) at DeepSeek-V2-Lite's widths (MLA: latent 512 b
 128, 32 query heads; K and V stored as bf16 bits). The choice is made per platform when the
 program is lowered (`pallas_kernels.dispatch.on_platform`): TPU gets the TPU kernels, CUDA the
 Mosaic GPU splice (attention on CUDA is the jnp path: no GPU attention kernel yet), CPU jnp.
+Branches are traced only for the platforms a program may be lowered for (jax's backend, or
+`lowering_for`'s, as here).
 
 One artifact for several platforms at once (`platforms=["cpu", "tpu"]`) does not lower with
 jax 0.10: it lowers each kept `platform_dependent` branch for every platform of the module, and
@@ -22,6 +24,7 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels import splice_rotate_gpu
+from pallas_kernels.dispatch import lowering_for
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from pallas_kernels.splice_rotate import Runs, splice_rotate
 
@@ -38,7 +41,10 @@ MODELS = {
 
 
 def exported_text(fn, args, platforms) -> str:
-    return jax.export.export(jax.jit(fn), platforms=platforms)(*args).mlir_module()
+    """`fn` exported for `platforms`, traced under `lowering_for` them (an export from this
+    machine for another platform)."""
+    with lowering_for(*platforms):
+        return jax.export.export(jax.jit(fn), platforms=platforms)(*args).mlir_module()
 
 
 def splice_args(model, runs=256):
@@ -116,3 +122,12 @@ def test_a_kernel_past_shared_memory_fails_the_gate(monkeypatch):
         exported_text(big, args, ["cuda"])
     monkeypatch.undo()
     assert CALLS["cuda"] in exported_text(splice("llama-8b"), args, ["cuda"])
+
+
+def test_a_cpu_trace_holds_no_kernel_branch():
+    """On this CPU a program traced for itself holds no platform branch (a kernel's branch
+    costs ~0.1-0.3 s to trace, for nothing here); traced for TPU and CUDA it holds one."""
+    args = splice_args("v2-lite")
+    assert "platform_index" not in str(jax.make_jaxpr(splice("v2-lite"))(*args))
+    with lowering_for("cpu", "tpu", "cuda"):
+        assert "platform_index" in str(jax.make_jaxpr(splice("v2-lite"))(*args))

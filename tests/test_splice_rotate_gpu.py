@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pallas_kernels import splice_rotate_gpu as gpu
+from pallas_kernels.dispatch import lowering_for
 from pallas_kernels.splice_rotate import Runs, as_bits, splice_rotate, splice_rotate_jnp
 from tests.test_splice_rotate import PAGE, f32, inv_freq, make_runs, model64, runs_of
 
@@ -183,3 +184,13 @@ def test_shapes_it_does_not_take_are_refused():
         gpu.supports([jnp.zeros((4, 512), jnp.bfloat16)], [jnp.zeros((4, 64))], inv_freq(64))
         is None
     )
+
+    def lowered_for_cuda(c_width):
+        c = (jnp.zeros((SLOTS, c_width), jnp.float32),)
+        k = (jnp.zeros((SLOTS, 64), jnp.float32),)
+        fn = jax.jit(lambda c, k, r, i: splice_rotate(c, k, r, i))
+        with lowering_for("cuda"):
+            return jax.export.export(fn, platforms=["cuda"])(c, k, runs, inv_freq(64))
+
+    assert "mosaic_gpu" not in lowered_for_cuda(8).mlir_module()  # such pools: jnp on CUDA too
+    assert "mosaic_gpu" in lowered_for_cuda(128).mlir_module()  # pools it takes: the kernel
