@@ -7,9 +7,10 @@ A kernel module says which accelerators it has a compiled kernel for (its `targe
   when it is traced (`jax.lax.platform_dependent`): each kernel module says which platform
   gets which kernel, every other one the jnp reference (CPU always). Only the platforms the
   program may be lowered for get a branch (`lowering_platforms`: jax's backend, or those named
-  by `lowering_for`, as an export for another platform does): tracing a kernel branch costs
-  0.3-0.4 s a splice program against 0.02 s, for nothing on a CPU. The choice is part of the traced program, so a
-  jitted function traced before `lowering_for` keeps its earlier one. One artifact for several
+  by `lowering_for`, as an export for another platform does): tracing the kernel branches
+  costs 0.3-0.4 s a splice program against 0.02 s, for nothing on a CPU. The choice is part
+  of the traced program, so a jitted function traced before `lowering_for` keeps its earlier
+  one. One artifact for several
   platforms at once does not lower with jax 0.10 (a Pallas TPU call has no CPU lowering).
 - "jnp": the reference.
 - "pallas": the compiled kernel for this backend (on a backend it has no version for, the first
