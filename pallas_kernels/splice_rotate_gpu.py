@@ -60,14 +60,14 @@ def window_of(max_run: int) -> int:
 def supports(cs, ks, inv_freq, max_run: int = DEFAULT_MAX_RUN) -> str | None:
     """None when the kernel takes these pools, else why not (see the module docstring)."""
     h, window = int(np.shape(inv_freq)[0]), window_of(max_run)
+    k_width, k_type = ks[0].shape[1], jnp.dtype(ks[0].dtype)
     if cs[0].shape[1] % LANES:
         return f"a c row of {cs[0].shape[1]} is not a multiple of {LANES} elements"
-    if ks[0].shape[1] * jnp.dtype(ks[0].dtype).itemsize % COPY_BYTES:
-        row = f"{ks[0].shape[1]} x {jnp.dtype(ks[0].dtype).name}"
-        return f"a k row ({row}) is not a multiple of {COPY_BYTES} bytes"
+    if k_width * k_type.itemsize % COPY_BYTES:
+        return f"a k row ({k_width} x {k_type.name}) is not a multiple of {COPY_BYTES} bytes"
     if window * h % (LANES * VEC):
         return f"window {window} x D/2 {h} is not a multiple of {LANES * VEC}"
-    if (smem := 2 * window * ks[0].shape[1] * jnp.dtype(ks[0].dtype).itemsize) > SMEM_BYTES:
+    if (smem := 2 * window * k_width * k_type.itemsize) > SMEM_BYTES:
         return f"two k windows of {window} rows take {smem} bytes of shared memory"
     return None
 

@@ -98,11 +98,13 @@ def pytest_collection_modifyitems(session, config, items):
                 item.add_marker(pytest.mark.skip(reason=why))
     import jax
 
-    if jax.default_backend() not in ("gpu", "tpu"):
-        skip = pytest.mark.skip(reason="needs a GPU or TPU (compiled kernels); run on the device")
-        for item in items:
-            if "accelerator" in item.keywords:
-                item.add_marker(skip)
+    backend = jax.default_backend()
+    for item in items:  # `accelerator` alone: a GPU or TPU; `accelerator("tpu")`: that one
+        if (mark := item.get_closest_marker("accelerator")) is not None:
+            needs = mark.args or ("gpu", "tpu")
+            if backend not in needs:
+                why = f"needs {' or '.join(needs)} (compiled kernels); run on the device"
+                item.add_marker(pytest.mark.skip(reason=why))
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -191,6 +191,20 @@ def make_runs(rng, lengths, slots, pos_pairs, max_run=PAGE):
     return runs_of(src, dst, lengths, *zip(*pos_pairs, strict=True))
 
 
+def spliced(impl, c, k, runs, inv, **kw):
+    """Stacked [L, S, D] arrays -> per-layer pools (copies: the kernels donate them) ->
+    splice_rotate(impl=impl) -> stacked numpy arrays."""
+    out = splice_rotate(
+        tuple(jnp.array(x) for x in c),
+        tuple(jnp.array(x) for x in k),
+        Runs(*(jnp.asarray(a, jnp.int32) for a in runs)),
+        jnp.asarray(inv),
+        impl=impl,
+        **kw,
+    )
+    return [np.stack([np.asarray(x) for x in band]) for band in out]
+
+
 def model64(c, k, runs, inv):
     """What the run contract says: expected (c, k) in float64, from the runs directly."""
     want_c, want_k = np.array(c), f32(k).astype(np.float64)
@@ -206,17 +220,7 @@ class RunsJnpTest:
     IMPL = "jnp"
 
     def run(self, c, k, runs, inv, **kw):
-        """Stacked [L, S, D] arrays -> per-layer pools (copies: the kernels donate them) ->
-        splice_rotate -> stacked numpy arrays."""
-        out = splice_rotate(
-            tuple(jnp.array(x) for x in c),
-            tuple(jnp.array(x) for x in k),
-            Runs(*(jnp.asarray(a, jnp.int32) for a in runs)),
-            jnp.asarray(inv),
-            impl=self.IMPL,
-            **kw,
-        )
-        return [np.stack([np.asarray(x) for x in band]) for band in out]
+        return spliced(self.IMPL, c, k, runs, inv, **kw)
 
     def check(self, c, k, runs, inv, rel, **kw):
         """The implementation against the row reference and the float64 model (c bit-exact;
@@ -328,12 +332,7 @@ class RunsKernelTest(RunsJnpTest):
     """The compiled TPU kernel, on a TPU (the device suite runs it there)."""
 
     IMPL = "pallas"
-    pytestmark = pytest.mark.accelerator
-
-    @pytest.fixture(autouse=True)
-    def _on_a_tpu(self):
-        if jax.default_backend() != "tpu":
-            pytest.skip("the TPU kernel compiles on a TPU only (GPU: test_splice_rotate_gpu.py)")
+    pytestmark = pytest.mark.accelerator("tpu")  # GPU: test_splice_rotate_gpu.py
 
 
 class RunsTpuSemanticsTest(RunsJnpTest):

@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 
 from pallas_kernels import splice_rotate_gpu as gpu
 from pallas_kernels.dispatch import lowering_for
-from pallas_kernels.splice_rotate import Runs, as_bits, splice_rotate, splice_rotate_jnp
-from tests.test_splice_rotate import PAGE, f32, inv_freq, make_runs, model64, runs_of
+from pallas_kernels.splice_rotate import as_bits, splice_rotate
+from tests.test_splice_rotate import PAGE, f32, inv_freq, make_runs, model64, runs_of, spliced
 
 SLOTS = 64 * PAGE
 
@@ -34,28 +34,11 @@ def pools(rng, layers=2, c_width=128, k_width=64, c_dtype=jnp.bfloat16, k_dtype=
 class GpuKernelTest:
     IMPL = "gpu_interpret"
 
-    def run(self, c, k, runs, inv, **kw):
-        out = splice_rotate(
-            tuple(jnp.array(x) for x in c),
-            tuple(jnp.array(x) for x in k),
-            Runs(*(jnp.asarray(a, jnp.int32) for a in runs)),
-            jnp.asarray(inv),
-            impl=self.IMPL,
-            **kw,
-        )
-        return [np.stack([np.asarray(x) for x in band]) for band in out]
-
     def check(self, c, k, runs, inv, rel, **kw):
         """c bit-exact at the destinations and untouched elsewhere (bits: NaN == NaN); k within
         rel x |k| of the float64 model and 1e-6 x |k| of the jnp path, row by row."""
-        out_c, out_k = self.run(c, k, runs, inv, **kw)
-        jnp_c, jnp_k = splice_rotate_jnp(
-            tuple(jnp.array(x) for x in c),
-            tuple(jnp.array(x) for x in k),
-            Runs(*(jnp.asarray(a, jnp.int32) for a in runs)),
-            jnp.asarray(inv),
-            **kw,
-        )
+        out_c, out_k = spliced(self.IMPL, c, k, runs, inv, **kw)
+        jnp_c, jnp_k = spliced("jnp", c, k, runs, inv, **kw)
         typed = kw.get("k_dtype", k.dtype)
         as_typed = lambda x: f32(jax.lax.bitcast_convert_type(jnp.asarray(x), typed))  # noqa: E731
         want_c, want_k = model64(c, as_typed(k), runs, inv)
@@ -64,11 +47,11 @@ class GpuKernelTest:
         untouched = np.setdiff1d(np.arange(SLOTS), dst)
         np.testing.assert_array_equal(as_bits(out_k[:, untouched]), as_bits(k[:, untouched]))
         got, want = as_typed(out_k)[:, dst], want_k[:, dst]
-        near = as_typed(np.stack([np.asarray(x) for x in jnp_k]))[:, dst]
+        near = as_typed(jnp_k)[:, dst]
         norm = np.linalg.norm(want, axis=-1)
         assert (np.abs(got - want).max(-1) <= rel * norm).all()
         assert (np.abs(got - near).max(-1) <= 1e-6 * norm).all()
-        np.testing.assert_array_equal(out_c, np.stack([np.asarray(x) for x in jnp_c]))
+        np.testing.assert_array_equal(out_c, jnp_c)
         return out_c, out_k
 
     def test_every_length_both_signs_long_positions(self):
@@ -136,12 +119,7 @@ class TestGpuCompiled(GpuKernelTest):
     """The compiled kernel on a Hopper GPU (the device suite runs these)."""
 
     IMPL = "pallas"
-    pytestmark = pytest.mark.accelerator
-
-    @pytest.fixture(autouse=True)
-    def _on_a_gpu(self):
-        if jax.default_backend() != "gpu":
-            pytest.skip("the GPU kernel compiles on a GPU only")
+    pytestmark = pytest.mark.accelerator("gpu")
 
 
 def test_a_wrong_slot_is_caught(monkeypatch):
