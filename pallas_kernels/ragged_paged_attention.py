@@ -17,8 +17,8 @@ head: `q_lat` is None (no latent score term), `c_kv` holds V and `k_pe` holds K,
     score[t, n, s] = scale * q_pe[t, n] . k_pe[s, g(n)]
     out[t, n]      = sum_s softmax_s(score[t, n, :]) c_kv[s, g(n)]
 
-The splice sees the same two bands: `c_kv` moves, `k_pe` moves and rotates. The jnp path
-serves both forms; the TPU kernel, the MLA form only.
+The splice sees the same two bands: `c_kv` moves, `k_pe` moves and rotates. The jnp path and
+the GPU kernel serve both forms; the TPU kernel, the MLA form only.
 
 Pools. `c_kv` / `k_pe` are one layer's pages ([P, page_size, *]); the caller
 (`leyline_jax.kv_state`) keeps one array per layer, so a layer's pages are read in place (a slice
@@ -47,8 +47,9 @@ lane-aligned `[P, page, R + Dr]` cache; keeping the bands apart costs, on TPU:
   (several bf16 passes): 64 / 576 of the score flops, at fp32 speed;
 - two double buffers in VMEM (`[2, pages, page, R]` and `[2, pages, page, Dr]`).
 
-Three implementations with one signature:
-- `ref_ragged_paged_attention`: plain jnp, and the production path on CPU and GPU. Work items are
+Four implementations with one signature:
+- `ref_ragged_paged_attention`: plain jnp, the production path on CPU (and on GPUs or shapes no
+  kernel takes). Work items are
   (row, query tile): each row's queries are cut greedily into tiles of the sizes `q_tiles` (e.g.
   64, 8, 1: a 100-token chunk is one tile of 64, four of 8 and four of 1; a decode row is one
   tile of 1), so no tile carries padding queries except in the last size. Each pass over one tile
@@ -63,8 +64,10 @@ Three implementations with one signature:
   DMA from HBM (`memory_space=pl.ANY`), `block_kv` slots at a time, double-buffered within the
   row, copying only pages the block's queries can see; an online softmax over the block's
   (token, head) query rows updates only that row's queries.
-- `ragged_paged_attention`: the dispatch (compiled kernel on TPU, jnp elsewhere, interpret modes
-  on request).
+- `ragged_paged_attention_gpu` (`pallas_kernels.ragged_paged_attention_gpu`): a Mosaic GPU
+  kernel for Hopper, both forms, on the tensor cores with fp32 operands split into bf16 terms.
+- `ragged_paged_attention`: the dispatch (the TPU kernel on TPU, the GPU kernel on a Hopper
+  GPU, jnp elsewhere, chosen at lowering; interpret modes on request).
 """
 
 from __future__ import annotations
@@ -77,7 +80,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.dispatch import on_platform, resolve
+from pallas_kernels.dispatch import hopper, on_platform, resolve
+from pallas_kernels.ragged_paged_attention_gpu import ragged_paged_attention_gpu, supports
 
 __all__ = [
     "DEFAULT_BLOCK_KV",
@@ -90,7 +94,7 @@ __all__ = [
     "validate_static",
 ]
 
-TARGETS = ("tpu",)  # the backends with a compiled kernel (see `dispatch`)
+TARGETS = ("tpu", "gpu")  # the backends with a compiled kernel (see `dispatch`)
 DEFAULT_Q_TILES = (64, 8, 1)  # query tile sizes of the jnp path, largest first
 DEFAULT_BLOCK_KV = 512  # slots per kv block (rounded down to whole pages, at least one page)
 DEFAULT_BLOCK_Q = 8  # query tokens per kernel grid step (x N heads = rows of its matmuls)
@@ -646,30 +650,37 @@ def ragged_paged_attention(
     """Ragged paged MLA attention with the implementation for this backend (contract in the
     module docstring).
 
-    impl: see `pallas_kernels.dispatch` (the kernel targets TPU only: None is the compiled
-    kernel on TPU, jnp on every other platform, GPU included, chosen at lowering). `kv_dtype`
+    impl: see `pallas_kernels.dispatch` (None: the TPU kernel on TPU for the MLA form, the
+    Mosaic GPU kernel on a Hopper GPU where `ragged_paged_attention_gpu.supports` takes the
+    arrays, both forms; jnp everywhere else, chosen at lowering). `kv_dtype`
     / `k_pe_dtype`: the float type a band's stored values mean (default: its own dtype;
     required for raw bits). `q_tiles` tunes the jnp path, `block_q` the kernel, `block_kv`
     both. Concrete metadata is validated here
     (`validate_dynamic`); under the caller's jit that is the caller's job.
     """
-    # the grouped form has no kernel yet: by default it takes the jnp path everywhere
-    impl = "jnp" if impl is None and q_lat is None else impl
-    if q_lat is None and impl != "jnp":
-        raise ValueError(f"impl={impl!r}: the grouped form (q_lat None) runs on the jnp path only")
     meta = (kv_lens, page_indices, cu_q_lens, num_rows)
     args = (q_lat, q_pe, c_kv, k_pe, *meta)
-    validate_static(*args, kv_dtype=kv_dtype, k_pe_dtype=k_pe_dtype)  # first
+    kv_type, k_type = validate_static(*args, kv_dtype=kv_dtype, k_pe_dtype=k_pe_dtype)  # first
     if not any(isinstance(a, jax.core.Tracer) for a in meta):
         validate_dynamic(q_pe, c_kv, *meta)
     kw = dict(scale=scale, kv_dtype=kv_dtype, k_pe_dtype=k_pe_dtype, block_kv=block_kv)
+    gpu = functools.partial(ragged_paged_attention_gpu, scale=scale, kv_type=kv_type, k_type=k_type)
+    tpu = functools.partial(ragged_paged_attention_kernel, block_q=block_q, **kw)
     jnp_path = functools.partial(ref_ragged_paged_attention, q_tiles=q_tiles, **kw)
-    if impl is None:  # the TPU kernel where its layout fits, else jnp there too
-        tpu = functools.partial(ragged_paged_attention_kernel, block_q=block_q, **kw)
-        fits = _fits(*args, kv_dtype=kv_dtype, k_pe_dtype=k_pe_dtype)
-        kernels = {"tpu": functools.partial(tpu, interpret=False)} if fits else {}
-        return on_platform(jnp_path, args, **kernels)
-    impl, _, interpret = resolve(impl, TARGETS)
+    if impl is None:  # each platform's kernel where it takes these arrays, else jnp there too
+        kernels = {}
+        if q_lat is not None and _fits(*args, kv_dtype=kv_dtype, k_pe_dtype=k_pe_dtype):
+            kernels["tpu"] = functools.partial(tpu, interpret=False)
+        if hopper() and not supports(q_lat, q_pe, c_kv, k_pe, page_indices, kv_type, k_type):
+            kernels["cuda"] = functools.partial(gpu, interpret=False)
+        # the branches take arrays only: q_lat (None in the grouped form) is bound into each
+        bound = {p: functools.partial(k, q_lat) for p, k in kernels.items()}
+        return on_platform(functools.partial(jnp_path, q_lat), args[1:], **bound)
+    impl, target, interpret = resolve(impl, TARGETS)
     if impl == "jnp":
         return jnp_path(*args)
-    return ragged_paged_attention_kernel(*args, block_q=block_q, interpret=interpret, **kw)
+    if target == "gpu":
+        return gpu(*args, interpret=interpret)
+    if q_lat is None:
+        raise ValueError(f"impl={impl!r}: the TPU kernel takes the MLA form only (q_lat given)")
+    return tpu(*args, interpret=interpret)

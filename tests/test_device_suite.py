@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PARTS = ("kernels", "splice", "hf", "model", "edit")
+PARTS = ("kernels", "splice", "attention", "hf", "model", "edit")
 
 
 def positive(x) -> bool:
@@ -69,7 +69,14 @@ def test_smoke_writes_every_part(tmp_path):
             assert positive(r[key]), (key, r)
         assert r["ours_over_floor"] > 1, r  # nothing runs faster than its floor
 
-    assert len(summary["targets"]) == 2
+    cases = [
+        (r["kind"], r["batch"], r["context"], r["queries"]) for r in parts["attention"]["rows"]
+    ]
+    assert cases == [("decode", 1, 64, 1), ("decode", 2, 64, 1), ("prefill", 1, 64, 16)]
+    for r in parts["attention"]["rows"]:  # on CPU: the jnp path alone, exact to float64's 1e-5
+        assert r["kernel"] is None and positive(r["step_s"]) and r["error_row0"] < 1e-5
+
+    assert len(summary["targets"]) == 3
     assert all(positive(t["value"]) for t in summary["targets"])
     table = subprocess.run(
         [sys.executable, "-m", "benchmarks.device.to_markdown", str(tmp_path)],
@@ -79,3 +86,4 @@ def test_smoke_writes_every_part(tmp_path):
         check=True,
     ).stdout
     assert "| decode | 4 |" in table and "FORGET / AMORTIZE" in table
+    assert "| decode (1 q) | 2 | 64 | jnp |" in table

@@ -8,8 +8,8 @@ Shapes: one layer's pools and one step's attention, as the engine runs them (a p
 layer, the same for every depth) at DeepSeek-V2-Lite's widths (MLA: latent 512 bf16, RoPE band
 64 fp32, 16 heads), DeepSeek-V3's (128 heads) and a Llama-3-8B-shaped GQA model (8 KV heads of
 128, 32 query heads; K and V stored as bf16 bits). The choice is made per platform when the
-program is lowered (`pallas_kernels.dispatch.on_platform`): TPU gets the TPU kernels, CUDA the
-Mosaic GPU splice (attention on CUDA is the jnp path: no GPU attention kernel yet), CPU jnp.
+program is lowered (`pallas_kernels.dispatch.on_platform`): TPU gets the TPU kernels (attention:
+the MLA form), CUDA the Mosaic GPU kernels (splice; attention in both forms), CPU jnp.
 Branches are traced only for the platforms a program may be lowered for (jax's backend, or
 `lowering_for`'s, as here).
 
@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels import splice_rotate_gpu
+from pallas_kernels import ragged_paged_attention_gpu, splice_rotate_gpu
 from pallas_kernels.dispatch import lowering_for
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from pallas_kernels.splice_rotate import Runs, splice_rotate
@@ -84,18 +84,18 @@ def test_the_splice_lowers_with_each_platforms_kernel(model):
 
 
 @pytest.mark.parametrize("model", ["v2-lite", "v3"])
-def test_attention_lowers_with_the_tpu_kernel(model):
-    assert CALLS["tpu"] in exported_text(attention(model), attention_args(model), ["tpu"])
-    cuda = exported_text(attention(model), attention_args(model), ["cuda"])
-    assert CALLS["cuda"] not in cuda  # no GPU attention kernel yet: the jnp path
+def test_attention_lowers_with_each_platforms_kernel(model):
+    for platform, call in CALLS.items():
+        assert call in exported_text(attention(model), attention_args(model), [platform]), platform
 
 
 def test_grouped_attention_lowers_for_each_platform():
-    """The grouped form (GQA) lowers everywhere: on TPU the kernel where its shapes fit (at
-    these, jnp: the kernel's VMEM check refuses them), on CUDA and CPU jnp."""
+    """The grouped form (GQA): on CUDA the Mosaic GPU kernel; on TPU jnp (the TPU kernel is
+    MLA-only), on CPU jnp."""
     for platform in ("tpu", "cuda", "cpu"):
         text = exported_text(attention("llama-8b"), attention_args("llama-8b"), [platform])
-        assert not any(call in text for call in CALLS.values())
+        assert (CALLS["cuda"] in text) is (platform == "cuda"), platform
+        assert CALLS["tpu"] not in text
 
 
 def test_the_check_can_fail():
@@ -105,7 +105,8 @@ def test_the_check_can_fail():
             splice("v2-lite", "jnp"), splice_args("v2-lite"), [platform]
         )
     args = attention_args("v2-lite")
-    assert CALLS["tpu"] not in exported_text(attention("v2-lite", "jnp"), args, ["tpu"])
+    for platform, call in CALLS.items():
+        assert call not in exported_text(attention("v2-lite", "jnp"), args, [platform])
 
 
 def test_a_kernel_past_shared_memory_fails_the_gate(monkeypatch):
@@ -122,6 +123,15 @@ def test_a_kernel_past_shared_memory_fails_the_gate(monkeypatch):
         exported_text(big, args, ["cuda"])
     monkeypatch.undo()
     assert CALLS["cuda"] in exported_text(splice("llama-8b"), args, ["cuda"])
+
+
+def test_attention_past_shared_memory_fails_the_gate(monkeypatch):
+    """The GPU attention kernel at V2-Lite's widths with its shared-memory budget lifted picks
+    256 query columns (Q's terms alone 768 KB): refused when lowered."""
+    monkeypatch.setattr(ragged_paged_attention_gpu, "SMEM_BYTES", 1 << 30)
+    monkeypatch.setattr(ragged_paged_attention_gpu, "ACC_VALUES", 1 << 30)
+    with pytest.raises(Exception, match="shared memory"):
+        exported_text(attention("v2-lite"), attention_args("v2-lite"), ["cuda"])
 
 
 def test_a_cpu_trace_holds_no_kernel_branch():

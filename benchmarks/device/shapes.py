@@ -52,6 +52,10 @@ class Sizes:
     page_size: int = 16
     # (b) the splice pass alone
     splice_downstream: tuple[int, ...] = (8192, 32768, 131072)
+    # (b') ragged paged attention of one layer: decode rows of a context each, a prefill chunk
+    attention_contexts: tuple[int, ...] = (4096, 32768)
+    attention_batches: tuple[int, ...] = (1, 32, 128)
+    attention_chunk: int = 512  # a prefill chunk's queries, over the first context's tokens
     # (c) AMORTIZE vs FORGET: a prefix, a span replaced by a stub, then D downstream tokens
     edit_downstream: tuple[int, ...] = (8192, 32768)
     edit_layers: int = 4
@@ -79,6 +83,9 @@ FULL = Sizes()
 SMOKE = Sizes(
     hf=SMOKE_HF,
     splice_downstream=(256, 1024),
+    attention_contexts=(64,),
+    attention_batches=(1, 2),
+    attention_chunk=16,
     edit_downstream=(130, 170),
     edit_layers=2,
     edit_prefix=64,

@@ -74,7 +74,7 @@ def _target(text: str, value, at_least: float) -> dict:
 
 
 def targets(parts: dict) -> list[dict]:
-    """The issue's two targets, read off the largest size each part measured."""
+    """The issue's targets, read off the largest size each part measured."""
     out = []
     splice = parts.get("splice")
     rows = [r for r in (splice or {}).get("rows", []) if r.get("impl") is None]  # the default
@@ -82,6 +82,14 @@ def targets(parts: dict) -> list[dict]:
         r = max(rows, key=lambda r: r["downstream"])
         text = f"splice bandwidth >= 0.7 x copy bandwidth (D = {r['downstream']})"
         out.append(_target(text, r["fraction_of_copy_bw"], 0.7))
+    attention = [r for r in parts.get("attention", {}).get("rows", []) if r["impl"] is None]
+    decode = [r for r in attention if r["kind"] == "decode"]
+    if decode:
+        r = max(decode, key=lambda r: (r["context"], r["batch"]))
+        text = (
+            f"decode attention >= 0.5 x copy bandwidth ({r['context']} context, C = {r['batch']})"
+        )
+        out.append(_target(text, r["fraction_of_copy_bw"], 0.5))
     decode = [r for r in parts.get("model", {}).get("rows", []) if r["kind"] == "decode"]
     if decode:
         r = max(decode, key=lambda r: r["size"])

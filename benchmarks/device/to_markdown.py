@@ -4,6 +4,7 @@
 
 Reads OUTDIR/summary.json and each part's JSON (whatever exists: a part that failed shows as
 its status) and prints the tables: kernel tests, the splice pass against the copy bandwidth,
+one layer's attention against it,
 AMORTIZE vs FORGET, the model beside its floor and Hugging Face, and the targets.
 """
 
@@ -79,6 +80,24 @@ def _splice(splice: dict) -> list[str]:
     return section(caption, header, rows)
 
 
+def _attention(attention: dict) -> list[str]:
+    header = ["step", "C", "context", "path", "time", "cache read", "of copy bw", "row 0 error"]
+    rows = [
+        [f"{r['kind']} ({r['queries']} q)", str(r["batch"]), str(r["context"])]
+        + [r.get("kernel") or "jnp", _ms(r["step_s"]), f"{r['bytes'] / 1e6:.0f} MB"]
+        + [_num(r["fraction_of_copy_bw"], ".1%"), _num(r["error_row0"], ".1e")]
+        for r in attention["rows"]
+    ]
+    bw = attention["copy_bandwidth"]["bytes_s"]
+    caption = (
+        "Ragged paged attention, one V2-Lite layer (`ragged_paged_attention` jitted, impl "
+        "None, the jnp path beside it; 16 heads, c_kv 512 bf16 + k_pe 64 fp32, page "
+        f"{attention['page_size']}); copy bandwidth measured in the same run: {bw / 1e9:.0f} "
+        "GB/s. Row 0 error: against float64 numpy, relative to the output's largest value."
+    )
+    return section(caption, header, rows)
+
+
 def _edit(edit: dict) -> list[str]:
     cfg = edit["config"]
     note = f" ({cfg['layers_note']})" if cfg.get("layers_note") else ""
@@ -124,7 +143,7 @@ def render(out: str) -> str:
     kernels = _load(out, "kernels")
     if kernels and "counts" in kernels:
         lines += _kernels(kernels)
-    for name, render_part in (("splice", _splice), ("edit", _edit)):
+    for name, render_part in (("splice", _splice), ("attention", _attention), ("edit", _edit)):
         part = _load(out, name)
         if part and part.get("rows"):
             lines += render_part(part)
