@@ -87,6 +87,14 @@ def hopper() -> bool:
     return major.isdigit() and int(major) in (9, 10)
 
 
+def mosaic_gpu_interpret():
+    """Mosaic GPU's interpreter's params (private in jax 0.10 and 0.11): simulated SMEM,
+    barriers, TMA; memory never written reads 0 ("nan" does not take barriers)."""
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    return InterpretGPUParams(uninitialized_memory="zero")
+
+
 def resolve(impl: str | None, targets: tuple[str, ...] = ("tpu",)) -> Impl:
     """`impl` -> `Impl` for a kernel with compiled versions for `targets` (see the module
     docstring; None: the kernel for the backend jax runs on now, where one is needed before

@@ -35,6 +35,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.dispatch import mosaic_gpu_interpret
 from pallas_kernels.splice_runs import (
     DEFAULT_MAX_RUN,
     Runs,
@@ -187,19 +188,12 @@ def _call(cs, ks, runs, inv_freq, *, k_dtype, max_run, interpret):
         functools.partial(_kernel, k_dtype=k_dtype, interpret=interpret),
         out_type=(),
         mesh=plgpu.Mesh(grid=(runs.src.shape[0],), grid_names=("run",)),
-        interpret=_interpret_params() if interpret else False,
+        interpret=mosaic_gpu_interpret() if interpret else False,
         name="splice_rotate_gpu",
     )
     kernel(*runs[:3], cos, sin, *pools)
     out = [ref[...] for ref in pools]
     return tuple(out[:layers]), tuple(out[layers:])
-
-
-def _interpret_params():
-    """Mosaic GPU's interpreter (private in jax 0.10 and 0.11): simulated SMEM, barriers, TMA."""
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
-    return InterpretGPUParams(uninitialized_memory="zero")  # "nan" does not take barriers
 
 
 def splice_rotate_gpu(

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels import ragged_paged_attention_gpu, splice_rotate_gpu
+from pallas_kernels import ragged_paged_gpu_plan, splice_rotate_gpu
 from pallas_kernels.dispatch import lowering_for
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from pallas_kernels.splice_rotate import Runs, splice_rotate
@@ -128,8 +128,8 @@ def test_a_kernel_past_shared_memory_fails_the_gate(monkeypatch):
 def test_attention_past_shared_memory_fails_the_gate(monkeypatch):
     """The GPU attention kernel at V2-Lite's widths with its shared-memory budget lifted picks
     256 query columns (Q's terms alone 768 KB): refused when lowered."""
-    monkeypatch.setattr(ragged_paged_attention_gpu, "SMEM_BYTES", 1 << 30)
-    monkeypatch.setattr(ragged_paged_attention_gpu, "ACC_VALUES", 1 << 30)
+    monkeypatch.setattr(ragged_paged_gpu_plan, "SMEM_BYTES", 1 << 30)
+    monkeypatch.setattr(ragged_paged_gpu_plan, "ACC_VALUES", 1 << 30)
     with pytest.raises(Exception, match="shared memory"):
         exported_text(attention("v2-lite"), attention_args("v2-lite"), ["cuda"])
 

@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pallas_kernels import ragged_paged_attention_gpu as gpu
+from pallas_kernels import ragged_paged_gpu_plan
 from pallas_kernels.dispatch import lowering_for
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from tests.test_ragged_paged_attention import MIX, check, dense_attention, make_batch
@@ -174,7 +175,8 @@ def test_query_terms_are_exact_under_jit():
     fp32 value exactly, jitted as in a step; each term is below the last's 2**-8."""
     scales = 10.0 ** np.arange(-4, 4).repeat(512)
     x = (np.random.default_rng(6).standard_normal(4096) * scales).astype(np.float32)
-    terms = [np.asarray(t, np.float64) for t in jax.jit(gpu.split3_bits)(jnp.asarray(x))]
+    split = jax.jit(ragged_paged_gpu_plan.split3_bits)
+    terms = [np.asarray(t, np.float64) for t in split(jnp.asarray(x))]
     np.testing.assert_array_equal(sum(terms), x.astype(np.float64))
     for big, small in zip(terms, terms[1:], strict=False):
         assert (np.abs(small) <= np.abs(big) * 2.0**-7 + 1e-38).all()

@@ -445,20 +445,20 @@ def test_validators():
 
 
 def test_dispatch_picks_the_kernel_per_backend(monkeypatch):
-    """impl=None: jnp on CPU; on a GPU the splice's GPU kernel, while ragged attention (no GPU
-    kernel) stays on jnp; on a TPU both kernels. Interpreters exist for the targets a kernel
-    has."""
+    """impl=None: jnp on CPU; on a GPU or a TPU each kernel's version for it (both kernels have
+    both). Interpreters exist for the targets a kernel has."""
     from pallas_kernels import ragged_paged_attention as rpa
 
     assert dispatch.resolve(None, TARGETS) == ("jnp", None, None)
     assert dispatch.resolve("interpret", TARGETS)[:2] == ("interpret", "tpu")
     assert dispatch.resolve("gpu_interpret", TARGETS) == ("gpu_interpret", "gpu", True)
     with pytest.raises(ValueError, match="unknown impl 'gpu_interpret'"):
-        dispatch.resolve("gpu_interpret", rpa.TARGETS)
+        dispatch.resolve("gpu_interpret", ("tpu",))
+    assert dispatch.resolve("gpu_interpret", rpa.TARGETS) == ("gpu_interpret", "gpu", True)
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert dispatch.resolve(None, TARGETS) == ("pallas", "gpu", False)
     assert dispatch.resolve("interpret", TARGETS) == ("interpret", "gpu", True)
-    assert dispatch.resolve(None, rpa.TARGETS) == ("jnp", None, None)
+    assert dispatch.resolve(None, rpa.TARGETS) == ("pallas", "gpu", False)
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
     assert dispatch.resolve(None, TARGETS) == ("pallas", "tpu", False)
     assert dispatch.resolve(None, rpa.TARGETS) == ("pallas", "tpu", False)
