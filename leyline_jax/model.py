@@ -201,11 +201,11 @@ class Split:
 
     def embed(self, tokens):
         """i32[T] -> [T, H], the embedding's program."""
-        return _embed(*self.ends, tokens)
+        return embed_step(*self.ends, tokens)
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _embed(graph, params, tokens):
+def embed_step(graph, params, tokens):
     return merge(graph, params).embed_tokens(tokens)
 
 
@@ -232,4 +232,4 @@ def _whole_forward(graphs, params, tokens, positions):
 def compile_counts() -> dict[str, int]:
     """How many shapes the embedding's and the full forward's programs have compiled."""
     forward = _layer_forward._cache_size() + _logits._cache_size() + _whole_forward._cache_size()
-    return {"embed": _embed._cache_size(), "forward": forward}
+    return {"embed": embed_step._cache_size(), "forward": forward}

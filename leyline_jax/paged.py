@@ -72,13 +72,13 @@ def _layer_body(layer, pools, h, cow_src, cow_dst, positions, slots, meta):
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnames="pools")
-def _layer_step(graph, params, pools, h, *args):
+def layer_step(graph, params, pools, h, *args):
     """`_layer_body` of one layer as its own program (donates its pools)."""
     return _layer_body(models.merge(graph, params), pools, h, *args)
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _last_logits(graph, params, h, last):
+def last_logits(graph, params, h, last):
     """float32 logits [B, vocab] after token `last[b]` (a flat index) of each row."""
     ends = models.merge(graph, params)
     return ends.logits(ends.final_norm(h[last]))
@@ -108,10 +108,10 @@ def _step(graph: Split, pools: kv.KVPools, cow_src, cow_dst, tokens, positions, 
     moved, rotated = [], []
     for i, layer in enumerate(graph.layers):
         one = pools.layer(i)
-        h, one = _layer_step(*layer, one, h, cow_src, cow_dst, positions, slots, meta)
+        h, one = layer_step(*layer, one, h, cow_src, cow_dst, positions, slots, meta)
         moved.append(one.moved[0])
         rotated.append(one.rotated[0])
-    return pools.with_bands(moved, rotated), graph.run(_last_logits, h, last)
+    return pools.with_bands(moved, rotated), graph.run(last_logits, h, last)
 
 
 _read_pages = jax.jit(kv.read_pages)
@@ -373,8 +373,8 @@ def load_pages(
 
 def compile_counts() -> dict[str, int]:
     """How many shapes each jitted step has compiled (for tests and benchmarks)."""
-    ends = _last_logits._cache_size() + models.compile_counts()["embed"]
-    step = _layer_step._cache_size() + _whole_step._cache_size()
+    ends = last_logits._cache_size() + models.compile_counts()["embed"]
+    step = layer_step._cache_size() + _whole_step._cache_size()
     return {"step": step, "ends": ends, "zero": kv.compile_counts()["zero"]}
 
 

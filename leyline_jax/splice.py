@@ -85,7 +85,7 @@ def plan_splice(
 
 # ---- device steps ---------------------------------------------------------------------------
 @functools.partial(jax.jit, static_argnames="impl", donate_argnames="pools")
-def _splice_layer(pools: kv.KVPools, runs: Runs, inv_freq, table, *, impl=None) -> kv.KVPools:
+def splice_layer(pools: kv.KVPools, runs: Runs, inv_freq, table, *, impl=None) -> kv.KVPools:
     """`splice_pools` on pools of one layer: the program every layer runs."""
     slots = pools.num_pages * pools.page_size
     (c,), (k,) = splice_rotate(
@@ -108,11 +108,11 @@ def splice_pools(pools: kv.KVPools, runs: Runs, inv_freq, table, *, impl=None) -
     moved in place, viewed as one row per slot (a slot holding several rows, GQA's KV heads,
     is one row of several vectors, all rotated alike). `inv_freq` f32[width/2] and `table`
     (`rotation_tables`). Donates `pools`. The public entry the benchmarks time."""
-    return pools.by_layer(_splice_layer, runs, inv_freq, table, impl=impl)
+    return pools.by_layer(splice_layer, runs, inv_freq, table, impl=impl)
 
 
 @functools.partial(jax.jit, donate_argnames="pools")
-def _zero_step(pools: kv.KVPools, pages, slots):
+def zero_step(pools: kv.KVPools, pages, slots):
     """Zero whole pages (i32[K]) and single slots (i32[S]) nobody references any more."""
     return kv.zero_slots(kv.zero_pages(pools, pages), slots)
 
@@ -173,7 +173,7 @@ def run_edit(
         slots = padded(plan.dead_slots, ps, p * ps)
         for a in range(0, max(len(plan.dead), 1), kv.ZERO_BLOCK):
             dead = plan.dead[a : a + kv.ZERO_BLOCK]
-            pools = pools.by_layer(_zero_step, padded(dead, bucket(max(len(dead), 1)), p), slots)
+            pools = pools.by_layer(zero_step, padded(dead, bucket(max(len(dead), 1)), p), slots)
             slots = padded([], ps, p * ps)  # once
     if spliced:
         moves = plan_splice(before, plan.old_row, plan.row, spliced, ps)
@@ -200,7 +200,7 @@ def precompile(model, state: PagedKVState, shape: tuple[str, int], *, impl=None)
         tables = rotation_tables(model.config, state.max_seq_len, impl)
         pools = splice_pools(state.pools, Runs(*[zeros] * 5), *tables, impl=impl)
     elif kind == "zero":
-        pools = state.pools.by_layer(_zero_step, padded([], k, p), padded([], ps, p * ps))
+        pools = state.pools.by_layer(zero_step, padded([], k, p), padded([], ps, p * ps))
     else:  # a purge's: every id "nowhere" changes nothing
         return state.zeroed(np.full(k, p, np.int32))
     return state.replace(pools=pools)
@@ -208,4 +208,4 @@ def precompile(model, state: PagedKVState, shape: tuple[str, int], *, impl=None)
 
 def compile_counts() -> dict[str, int]:
     """How many shapes the splice and zeroing steps have compiled (tests and benchmarks)."""
-    return {"splice": _splice_layer._cache_size(), "zero": _zero_step._cache_size()}
+    return {"splice": splice_layer._cache_size(), "zero": zero_step._cache_size()}

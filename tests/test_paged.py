@@ -391,7 +391,7 @@ def _step_bytes(model, num_pages: int, tokens: int, fused: bool) -> tuple[int, i
         args = [*args[:2], rows["tokens"], *args[2:], meta, rows["last"]]
         return _unaliased_bytes(paged._whole_step.lower(*graph.whole, state.pools, *args).compile())
     h = jnp.zeros((len(rows["tokens"]), model.config.hidden_size), model.dtype)
-    lowered = paged._layer_step.lower(*graph.layers[-1], state.pools.layer(0), h, *args, meta)
+    lowered = paged.layer_step.lower(*graph.layers[-1], state.pools.layer(0), h, *args, meta)
     return _unaliased_bytes(lowered.compile())
 
 
@@ -404,7 +404,7 @@ def _splice_bytes(model, num_pages: int) -> tuple[int, int]:
     idx = jnp.arange(64, dtype=jnp.int32)
     inv, table = splice.rotation_tables(model.config, 256)
     runs = Runs(idx, idx + 64, jnp.ones_like(idx), idx, idx + 1)
-    lowered = splice._splice_layer.lower(state.pools.layer(0), runs, inv, table, impl=None)
+    lowered = splice.splice_layer.lower(state.pools.layer(0), runs, inv, table, impl=None)
     return _unaliased_bytes(lowered.compile())
 
 
@@ -428,11 +428,11 @@ def test_a_step_never_copies_a_pool(np_ckpt, monkeypatch, tokens):
     def on_a_copy(q_lat, q_pe, c_kv, k_pe, *meta, **kw):
         return attend(q_lat, q_pe, jnp.flip(c_kv, 0), k_pe, *meta, **kw)
 
-    paged._layer_step.clear_cache()  # no trace of the real attention may serve the patched lowering
+    paged.layer_step.clear_cache()  # no trace of the real attention may serve the patched lowering
     monkeypatch.setattr(mla, "ragged_paged_attention", on_a_copy)
     try:
         small, _ = _step_bytes(model, 64, tokens, False)
         big, _ = _step_bytes(model, 4096, tokens, False)
     finally:
-        paged._layer_step.clear_cache()  # nor the patched trace any later call
+        paged.layer_step.clear_cache()  # nor the patched trace any later call
     assert big - small >= 4000 * 16 * model.config.kv_lora_rank * 2  # a bf16 layer pool, at least
