@@ -118,10 +118,12 @@ class KVPools:
     num_layers = property(lambda self: len(self.moved))
 
     def kernel_impl(self, impl: str | None) -> str | None:
-        """The kernel implementation a step over these pools uses: `impl` on one device (or
-        replicated pools); the jnp path when the pools are split over a mesh, which XLA's SPMD
-        partitioner can split too (a compiled Pallas kernel is one opaque call it cannot)."""
-        if impl is None and self.sharding is not None and not self.sharding.is_fully_replicated:
+        """The kernel implementation a step over these pools uses: `impl` on one device; the
+        jnp path under a mesh of several devices, which XLA's SPMD partitioner can split too (a
+        compiled Pallas kernel is one opaque call it cannot: a Mosaic TPU kernel over sharded
+        operands does not even lower, and the queries' heads are split by the params' rules
+        even where the pools are whole on each device; the lowering gate found it at 1x8)."""
+        if impl is None and self.sharding is not None and len(self.sharding.device_set) > 1:
             return "jnp"
         return impl
 

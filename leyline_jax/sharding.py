@@ -19,8 +19,9 @@ through a head (the partitioner computes the same result; only communication dif
 The computation is left to XLA's SPMD partitioner: every jitted step takes its operands with
 these shardings and the pools keep theirs across steps (`KVPools.with_bands`), so a
 step under a mesh computes what it computes on one device (up to the order of reductions) and
-never recompiles in steady state. Over split pools the kernels take their jnp paths
-(`KVPools.kernel_impl`): a compiled Pallas kernel is one call the partitioner cannot split.
+never recompiles in steady state. Under a mesh of several devices the kernels take their jnp
+paths (`KVPools.kernel_impl`): a compiled Pallas kernel is one call the partitioner cannot
+split (not yet wrapped in `shard_map`).
 Host bookkeeping (page tables, lengths, token ids) is the same on every mesh; page ids are
 global, and the page allocator does not keep a sequence's pages on one `data` shard.
 """

@@ -9,9 +9,9 @@ logits, zeroing and sampling programs hold no kernel and lower for both.
 
 A jitted program keeps the kernel branches of its first trace (the dispatch's choice is made
 when it is traced, and jax's trace cache does not see `lowering_for`), so each export here
-starts from a cleared cache of the program it exports. Not covered: the programs under an
-8-device mesh (there the pools are split and every kernel gives way to jnp:
-`KVPools.kernel_impl`)."""
+starts from a cleared cache of the program it exports. Under an 8-device mesh (every kernel
+gives way to jnp there: `KVPools.kernel_impl`) the layer step is gated in
+tests/multidevice/test_mesh.py, with `sharded_step_args` from here."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from leyline_jax import kv_state as kv
 from leyline_jax import model as models
 from leyline_jax import paged, splice
 from leyline_jax.loader import config_from_hf
+from leyline_jax.sharding import key_path
 from pallas_kernels.dispatch import lowering_for
 from pallas_kernels.splice_rotate import Runs
 from serve.sampling import sample
@@ -100,20 +101,41 @@ def f32(*shape):
     return SDS(shape, jnp.float32)
 
 
-def abstract(name):
-    """(config, Split of an abstract bf16 model, one layer's pools)."""
+def abstract(name, mesh=None):
+    """(config, Split of an abstract bf16 model, one layer's pools); with a
+    `leyline_jax.MeshConfig`, every array placed as the mesh's rules place it."""
     config = config_from_hf(MODELS[name])
-    split = models.Split.of(nnx.eval_shape(lambda: models.CausalLM(config, jnp.bfloat16)))
+    model = nnx.eval_shape(lambda: models.CausalLM(config, jnp.bfloat16))
     bands = config.kv_bands()
+    shapes = {"moved": (PAGES, PAGE, *bands.moved), "rotated": (PAGES, PAGE, *bands.rotated)}
+    at = dict.fromkeys(shapes)
+    if mesh is not None:
+        graphdef, state = nnx.split(model)
 
+        def place(path, x):
+            return SDS(x.shape, x.dtype, sharding=mesh.param_sharding(key_path(path), x.shape))
+
+        pure = jax.tree_util.tree_map_with_path(place, nnx.to_pure_dict(state))
+        nnx.replace_by_pure_dict(state, pure)
+        model = nnx.merge(graphdef, state)
+        at = {k: mesh.pool_sharding(v) for k, v in shapes.items()}
     pools = kv.KVPools(
-        moved=(SDS((PAGES, PAGE, *bands.moved), kv.storage_dtype(jnp.bfloat16)),),
-        rotated=(SDS((PAGES, PAGE, *bands.rotated), jnp.float32),),
+        moved=(SDS(shapes["moved"], kv.storage_dtype(jnp.bfloat16), sharding=at["moved"]),),
+        rotated=(SDS(shapes["rotated"], jnp.float32, sharding=at["rotated"]),),
         page_size=PAGE,
         moved_dtype=jnp.dtype(jnp.bfloat16),
         rotated_dtype=jnp.dtype(jnp.float32),
+        sharding=at["moved"],
     )
-    return config, split, pools
+    return config, models.Split.of(model), pools
+
+
+def sharded_step_args(name, mesh, t=8):
+    """The last kind of layer's step arguments at bucket t, placed by `mesh`."""
+    config, split, one = abstract(name, mesh)
+    meta = (i32(t), i32(t, PAGES), i32(t + 1), i32(1))
+    h = SDS((t, config.hidden_size), jnp.bfloat16)
+    return (*split.layers[-1], one, h, i32(t), i32(t), i32(t), i32(t), meta)
 
 
 def exported(program, args, platform) -> str:

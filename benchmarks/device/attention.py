@@ -26,6 +26,7 @@ from benchmarks import harness
 from benchmarks.device import measure, report
 from benchmarks.device.shapes import sizes
 from benchmarks.device.splice import kernel_in
+from leyline_jax.allocator import pages_for
 from leyline_jax.loader import config_from_hf
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
@@ -33,7 +34,7 @@ from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 def step_args(config, c: int, context: int, queries: int, ps: int, seed: int = 0):
     """One step's arrays: c rows of `queries` queries at the end of `context` tokens."""
     r, dr, n = config.kv_lora_rank, config.qk_rope_head_dim, config.num_attention_heads
-    w = -(-context // ps)
+    w = pages_for(context, ps)
     pages = c * w
     k1, k2, k3, k4 = jax.random.split(jax.random.key(seed), 4)
     c_kv = jax.random.normal(k1, (pages, ps, r), jnp.bfloat16)

@@ -19,7 +19,7 @@ import pytest
 
 import leyline_jax as ll
 from checkpoints.tiny import TINY_GQA_CONFIGS, TINY_HF_CONFIGS, write_random_checkpoint
-from leyline_jax import paged, splice
+from leyline_jax import kv_state, paged, splice
 from serve.engine import Engine, SamplingParams, sample
 
 MESHES = [(1, 8), (2, 4), (8, 1)]
@@ -193,13 +193,32 @@ def test_bad_mesh_arguments_are_clear_errors():
         )
 
 
-def test_kernels_take_their_jnp_path_over_split_pools(models):
-    """A compiled Pallas kernel is one call XLA's partitioner cannot split: over pools split by
-    page the steps ask for the jnp path; over one device's pools, the backend's choice."""
+def test_kernels_take_their_jnp_path_under_a_mesh(models):
+    """A compiled Pallas kernel is one call XLA's partitioner cannot split: under a mesh of
+    several devices (pools split by page, or whole on each device with the heads split) the
+    steps ask for the jnp path; on one device, the backend's choice."""
     one = models("deepseek_v2")
     split = ll.init_state(one.config, mesh=ll.MeshConfig.create(2, 4), **POOL).pools
     whole = ll.init_state(one.config, mesh=ll.MeshConfig.create(1, 8), **POOL).pools
     plain = ll.init_state(one.config, **POOL).pools
     assert split.kernel_impl(None) == "jnp"
-    assert whole.kernel_impl(None) is None and plain.kernel_impl(None) is None
+    assert whole.kernel_impl(None) == "jnp" and plain.kernel_impl(None) is None
     assert split.kernel_impl("interpret") == "interpret"  # an explicit choice is kept
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (1, 8)], ids=["2x4", "1x8"])
+def test_the_layer_step_lowers_under_a_mesh_at_real_shapes(shape, monkeypatch):
+    """The lowering gate under an 8-device mesh (tests/test_lowering_engine.py on one device):
+    V2-Lite's MoE layer step, params placed by the mesh's rules and pools by page, exported for
+    TPU and CUDA with abstract arrays: it lowers for both, on the jnp path. Shown to fail: with
+    the kernel kept (what the step asked for before the gate), the TPU kernel over the split
+    heads does not lower."""
+    from tests.test_lowering_engine import CALLS, exported, sharded_step_args
+
+    args = sharded_step_args("v2-lite", ll.MeshConfig.create(*shape))
+    for platform, call in CALLS.items():
+        assert call not in exported(paged.layer_step, args, platform)
+    if shape == (1, 8):
+        monkeypatch.setattr(kv_state.KVPools, "kernel_impl", lambda self, impl: impl)
+        with pytest.raises(Exception, match="cannot be automatically partitioned"):
+            exported(paged.layer_step, args, "tpu")
