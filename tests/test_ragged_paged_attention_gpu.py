@@ -28,10 +28,8 @@ WIDTH = dict(n=16, r=64, dr=64)  # the narrowest bands the kernel takes (rows of
 SCALE = 0.125
 
 
-def run(batch, impl="gpu_interpret", **kw):
-    return ragged_paged_attention(
-        *batch.args(), scale=SCALE, kv_dtype=kw.pop("kv_dtype", None), impl=impl, **kw
-    )
+def run(batch, impl="gpu_interpret"):
+    return ragged_paged_attention(*batch.args(), scale=SCALE, impl=impl)
 
 
 def grouped_batch(rng, rows, *, page_size=16, groups=2, heads=8, d=64, k_dtype=np.float32):
