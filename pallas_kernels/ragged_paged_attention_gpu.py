@@ -70,6 +70,11 @@ def _layout(x, layout, interpret: bool):
     return x if interpret else plgpu.layout_cast(x, layout)
 
 
+def _iota(shape, dim: int, interpret: bool):
+    """i32 indices along `dim` of a wgmma-layout register array of `shape`."""
+    return _layout(jax.lax.broadcasted_iota(jnp.int32, shape, dim), plgpu.Layout.WGMMA, interpret)
+
+
 def _swizzled(shape, dtype, swizzle: int = 128):
     """Shared memory a wgmma reads: (8, swizzle-byte) tiles, swizzled (the operands of one wgmma
     share a swizzle; a row narrower than it takes its own width)."""
@@ -107,7 +112,7 @@ def _matmul(terms, shape, interpret: bool):
 
 def _kernel(*refs, plan: Plan, page_size: int, interpret: bool):
     """One program per (head block, token item, kv split). Scratch is scoped in the kernel."""
-    c_ref, k_ref = refs[7], refs[8]
+    *_, c_ref, k_ref, _, _ = refs  # (metadata, Q terms, the bands, out, lse)
     dk, dv = k_ref.shape[-1], c_ref.shape[-1]
     qc, pages = plan.qc, BK // page_size
     narrow = min(128, 2 * qc)  # P's swizzle (its rows are qc wide), which C's and Q_lat's match
@@ -191,9 +196,7 @@ def _body(refs, *scratch, plan: Plan, page_size: int, interpret: bool):
                 plgpu.barrier_wait(bar.at[p])
                 plgpu.barrier_wait(bar.at[pages + p])
 
-        slot = blk * BK + _layout(
-            jax.lax.broadcasted_iota(jnp.int32, (BK, 64), 0), wgmma, interpret
-        )
+        slot = blk * BK + _iota((BK, 64), 0, interpret)
 
         @pl.when((blk + 1) * BK > kv_len)
         def _zero_unused():  # slots past kv_len: stale or poisoned, never multiplied into out
@@ -203,9 +206,7 @@ def _body(refs, *scratch, plan: Plan, page_size: int, interpret: bool):
                 c_smem[:, cols] = jnp.where(slot < kv_len, x, jnp.zeros_like(x))
 
         kf = _load(kf_smem, interpret).astype(_F32)
-        kslot = blk * BK + _layout(
-            jax.lax.broadcasted_iota(jnp.int32, kf.shape, 0), wgmma, interpret
-        )
+        kslot = blk * BK + _iota(kf.shape, 0, interpret)
         kf = jnp.where(kslot < kv_len, kf, jnp.zeros_like(kf))
         terms = split3(kf)[: plan.k_terms]
         for j, term in enumerate(terms):
@@ -216,10 +217,8 @@ def _body(refs, *scratch, plan: Plan, page_size: int, interpret: bool):
         if plan.lat:
             score_terms += [(c_smem, False, ql_smem.at[i], True) for i in range(TERMS)]
         s = _matmul(score_terms, (BK, qc), interpret)
-        srow = blk * BK + _layout(
-            jax.lax.broadcasted_iota(jnp.int32, (BK, qc), 0), wgmma, interpret
-        )
-        scol = _layout(jax.lax.broadcasted_iota(jnp.int32, (BK, qc), 1), wgmma, interpret)
+        srow = blk * BK + _iota((BK, qc), 0, interpret)
+        scol = _iota((BK, qc), 1, interpret)
         seen = srow <= jnp.minimum(first + scol // hb, last)  # causal; padding columns = last
         s = jnp.where(seen, s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(axis=0))
