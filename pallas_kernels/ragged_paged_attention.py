@@ -38,7 +38,7 @@ drift. The anchors' kernels (jax's and tpu-inference's MLA ragged paged attentio
 fused, lane-aligned `[P, page, R + Dr]` cache; what keeping the bands apart costs on TPU is in
 `pallas_kernels.ragged_paged_attention_tpu`.
 
-Four implementations with one signature:
+Four implementations with one signature, and the jnp path in both MLA forms:
 - `ref_ragged_paged_attention` (`pallas_kernels.ragged_paged_ref`, with the validators): plain
   jnp, the production path on CPU (and on GPUs or shapes no kernel takes). Work items are
   (row, query tile): each row's queries are cut greedily into tiles of the sizes `q_tiles` (e.g.
@@ -49,6 +49,9 @@ Four implementations with one signature:
   A block gathers its slots from the pools; slots the tile cannot see get an out-of-range index
   and are filled with 0, so they are never read. Work is about sum_b q_len_b * kv_len_b (rounded
   to tiles and blocks), never B * max_q * max_kv.
+- `ref_ragged_paged_mla` (beside it): the jnp path in both MLA forms, long query tiles in the
+  expanded form (per kv block, the latent up to per-head K and V) and the rest absorbed; which
+  tiles are expanded is the caller's cost model (`leyline_jax.mla.expanded_tiles`).
 - `ragged_paged_attention_kernel` (`pallas_kernels.ragged_paged_attention_tpu`): a Pallas TPU
   kernel. Grid: blocks of `block_q` query tokens
   (aligned on T, q and out moved by BlockSpec). Per block it walks the rows whose queries fall in
@@ -79,6 +82,7 @@ from pallas_kernels.ragged_paged_ref import (
     DEFAULT_Q_TILES,
     fits_tpu,
     ref_ragged_paged_attention,
+    ref_ragged_paged_mla,
     validate_dynamic,
     validate_static,
 )
@@ -90,6 +94,7 @@ __all__ = [
     "ragged_paged_attention",
     "ragged_paged_attention_kernel",
     "ref_ragged_paged_attention",
+    "ref_ragged_paged_mla",
     "validate_dynamic",
     "validate_static",
 ]

@@ -423,13 +423,18 @@ def test_a_step_never_copies_a_pool(np_ckpt, monkeypatch, tokens):
     assert _splice_bytes(model, 64) == _splice_bytes(model, 4096)
     from leyline_jax import mla
 
-    attend = mla.ragged_paged_attention
+    def on_a_copy(attend, at):  # `attend` handed a flipped copy of the pages (argument `at`)
+        def attend_on_a_copy(*args, **kw):
+            args = list(args)
+            args[at] = jnp.flip(args[at], 0)
+            return attend(*args, **kw)
 
-    def on_a_copy(q_lat, q_pe, c_kv, k_pe, *meta, **kw):
-        return attend(q_lat, q_pe, jnp.flip(c_kv, 0), k_pe, *meta, **kw)
+        return attend_on_a_copy
 
     paged.layer_step.clear_cache()  # no trace of the real attention may serve the patched lowering
-    monkeypatch.setattr(mla, "ragged_paged_attention", on_a_copy)
+    # both forms' entry points: a 40-token step takes the expanded tiles (`mla.expanded_tiles`)
+    monkeypatch.setattr(mla, "ragged_paged_attention", on_a_copy(mla.ragged_paged_attention, 2))
+    monkeypatch.setattr(mla, "ref_ragged_paged_mla", on_a_copy(mla.ref_ragged_paged_mla, 3))
     try:
         small, _ = _step_bytes(model, 64, tokens, False)
         big, _ = _step_bytes(model, 4096, tokens, False)
