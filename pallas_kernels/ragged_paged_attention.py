@@ -39,16 +39,16 @@ fused, lane-aligned `[P, page, R + Dr]` cache; what keeping the bands apart cost
 `pallas_kernels.ragged_paged_attention_tpu`.
 
 Four implementations with one signature, and the jnp path in both MLA forms:
-- `ref_ragged_paged_attention` (`pallas_kernels.ragged_paged_ref`, with the validators): plain
-  jnp, the production path on CPU (and on GPUs or shapes no kernel takes). Work items are
-  (row, query tile): each row's queries are cut greedily into tiles of the sizes `q_tiles` (e.g.
-  64, 8, 1: a 100-token chunk is one tile of 64, four of 8 and four of 1; a decode row is one
-  tile of 1), so no tile carries padding queries except in the last size. Each pass over one tile
-  size is a loop over a dynamic number of items, and each item is a blocked online softmax over
-  blocks of `block_kv` slots (whole pages), looping only up to its tile's last query position.
-  A block gathers its slots from the pools; slots the tile cannot see get an out-of-range index
-  and are filled with 0, so they are never read. Work is about sum_b q_len_b * kv_len_b (rounded
-  to tiles and blocks), never B * max_q * max_kv.
+- `ref_ragged_paged_attention` (`pallas_kernels.ragged_paged_ref`; the validators are
+  `ragged_paged_checks`): plain jnp, the production path on CPU (and on GPUs or shapes no kernel
+  takes). Work items are (row, query tile): each row's queries are cut greedily into tiles of the
+  sizes `q_tiles` (e.g. 64, 8, 1: a 100-token chunk is one tile of 64, four of 8 and four of 1; a
+  decode row is one tile of 1), so no tile carries padding queries except in the last size. Each
+  pass over one tile size is a loop over a dynamic number of items, and each item is a blocked
+  online softmax over blocks of `block_kv` slots (whole pages), looping only up to its tile's last
+  query position. A block gathers its slots from the pools; slots the tile cannot see get an
+  out-of-range index and are filled with 0, so they are never read. Work is about sum_b q_len_b *
+  kv_len_b (rounded to tiles and blocks), never B * max_q * max_kv.
 - `ref_ragged_paged_mla` (beside it): the jnp path in both MLA forms, long query tiles in the
   expanded form (per kv block, the latent up to per-head K and V) and the rest absorbed; which
   tiles are expanded is the caller's cost model (`leyline_jax.mla.expanded_tiles`).
@@ -77,14 +77,12 @@ from pallas_kernels.ragged_paged_attention_tpu import (
     DEFAULT_BLOCK_Q,
     ragged_paged_attention_kernel,
 )
+from pallas_kernels.ragged_paged_checks import fits_tpu, validate_dynamic, validate_static
 from pallas_kernels.ragged_paged_ref import (
     DEFAULT_BLOCK_KV,
     DEFAULT_Q_TILES,
-    fits_tpu,
     ref_ragged_paged_attention,
     ref_ragged_paged_mla,
-    validate_dynamic,
-    validate_static,
 )
 
 __all__ = [

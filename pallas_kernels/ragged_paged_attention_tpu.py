@@ -31,7 +31,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.ragged_paged_ref import DEFAULT_BLOCK_KV, from_storage, validate_static
+from pallas_kernels.ragged_paged_checks import from_storage, validate_static
+from pallas_kernels.ragged_paged_ref import DEFAULT_BLOCK_KV
 
 DEFAULT_BLOCK_Q = 8  # query tokens per kernel grid step (x N heads = rows of its matmuls)
 _F32 = jnp.float32
