@@ -159,8 +159,8 @@ class MLAAttention(nnx.Module):
         """Attention over the paged cache: [T, H] new tokens of a ragged batch
         (`leyline_jax.paged`) -> ([T, H], pools). Writes the new tokens' latent and `k_pe` to
         `slots` of layer `layer`, then attends reading `c_kv` and `k_pe` in place: in the
-        absorbed form (queries multiplied into the latent space), and on the jnp path long
-        query tiles in the expanded form (`expanded_tiles`, the cost model); `meta`: (kv_lens,
+        absorbed form (queries multiplied into the latent space), and on CPU (or impl "jnp")
+        long query tiles in the expanded form (`expanded_tiles`, the cost model); `meta`: (kv_lens,
         page_indices, cu_q_lens, num_rows) as `ragged_paged_attention` takes them."""
         q_nope, q_pe = self.queries(x, positions)
         c_new, k_new = self.latent(x, positions)
@@ -187,7 +187,7 @@ class MLAAttention(nnx.Module):
             out = absorbed(*args)
         elif impl == "jnp":
             out = both(*args)
-        else:  # the kernels (absorbed) where a platform has them, both forms in jnp elsewhere
+        else:  # on CPU both forms; on TPU / GPU the absorbed dispatch (its kernel, else jnp)
             out = on_platform(both, args, tpu=absorbed, cuda=absorbed)
         return self.output(out), pools
 

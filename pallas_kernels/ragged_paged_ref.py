@@ -278,8 +278,13 @@ def ref_ragged_paged_mla(
         raise ValueError(f"q_nope {q_nope.shape} and w_kb {w_kb.shape} do not fit q_pe and c_kv")
     if w_vb.shape[:2] != (n, r):
         raise ValueError(f"w_vb {w_vb.shape} must be [N={n}, R={r}, Dv]")
-    if expanded_tiles and list(expanded_tiles) != sorted(set(expanded_tiles))[::-1]:
-        raise ValueError(f"expanded_tiles must be distinct sizes, largest first: {expanded_tiles}")
+    if (
+        any(s <= 0 for s in expanded_tiles)
+        or list(expanded_tiles) != sorted(set(expanded_tiles))[::-1]
+    ):
+        raise ValueError(
+            f"expanded_tiles must be distinct positive sizes, largest first: {expanded_tiles}"
+        )
     first, left, block_pages = _prepare(q_pe, c_kv, meta, q_tiles, block_kv)
     out_v, out_lat = jnp.zeros((t, n, w_vb.shape[-1]), _F32), jnp.zeros((t, n, r), _F32)
     if t == 0:

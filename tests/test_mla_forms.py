@@ -105,7 +105,7 @@ def test_expanded_and_absorbed_alone_equal_each_other():
     q_lat = np.einsum("tnd,ndr->tnr", q_nope, w_kb)
     absorbed = ref_ragged_paged_attention(q_lat, *batch.args()[1:], scale=0.5)
     absorbed = np.einsum("tnr,nrd->tnd", np.asarray(absorbed), w_vb)
-    assert np.abs(o_v[~batch.padding]).min(axis=(1, 2)).max() > 0  # all of it expanded
+    assert (np.abs(o_v[~batch.padding]).max(axis=(1, 2)) > 0).all()  # every query expanded
     want = oracle(batch, q_nope, w_kb, w_vb, 0.5)
     check(expanded, want, batch.padding)
     check(absorbed, want, batch.padding)
@@ -184,6 +184,7 @@ def test_paged_prefill_takes_the_expanded_form_and_matches_transformers(
         kv_dtype=jnp.float32,
     )
     _, logits = ll.prefill(model, state, 0, prompt.tolist())
+    jax.clear_caches()  # no program traced with the spy outlives the test
     assert seen and all(128 in t for t in seen), seen  # 150 queries: a tile of 128 expanded
     with torch.no_grad():
         want = hf_model(path)(torch.tensor(prompt, dtype=torch.long)[None]).logits[0, -1].numpy()

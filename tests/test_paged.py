@@ -432,7 +432,7 @@ def test_a_step_never_copies_a_pool(np_ckpt, monkeypatch, tokens):
         return attend_on_a_copy
 
     paged.layer_step.clear_cache()  # no trace of the real attention may serve the patched lowering
-    # both forms' entry points: a 40-token step takes the expanded tiles (`mla.expanded_tiles`)
+    # both forms' entry points: a 40-token step (bucket 64) is traced through ref_ragged_paged_mla
     monkeypatch.setattr(mla, "ragged_paged_attention", on_a_copy(mla.ragged_paged_attention, 2))
     monkeypatch.setattr(mla, "ref_ragged_paged_mla", on_a_copy(mla.ref_ragged_paged_mla, 3))
     try:
