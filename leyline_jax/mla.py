@@ -170,7 +170,7 @@ class MLAAttention(nnx.Module):
         args = (absorb_queries(q_nope, w_kb), q_pe, pools.moved[layer], pools.rotated[layer], *meta)
         kw = dict(scale=self.config.softmax_scale, kv_dtype=pools.moved_dtype)
         kw |= dict(k_pe_dtype=pools.rotated_dtype)
-        impl = pools.kernel_impl(None)
+        impl, tiles = pools.kernel_impl(None), expanded_tiles(x.shape[0], self.config)
 
         def absorbed(*args):
             out = ragged_paged_attention(*args, impl=impl, **kw)
@@ -182,7 +182,6 @@ class MLAAttention(nnx.Module):
             )  # each query's output is in one of the two, the other 0 there: the sum is exact
             return o_v.astype(x.dtype) + expand_values(o_lat.astype(x.dtype), w_vb)
 
-        tiles = expanded_tiles(x.shape[0], self.config)
         if not tiles or impl not in (None, "jnp"):
             out = absorbed(*args)
         elif impl == "jnp":

@@ -75,11 +75,8 @@ def sample(logits, temperature, top_p, seed, step):
         drawn = order[jax.random.categorical(key, jnp.where(keep, scaled[order], -jnp.inf))]
         return jnp.where(t > 0, drawn, jnp.argmax(lg)).astype(jnp.int32)
 
-    def draw(lg, t, p, s, n):
-        return jax.vmap(row)(lg, t, p, s, n)
-
     def greedy(lg, *_):  # the same tokens without sorting the vocabulary for every row
         return jnp.argmax(lg, axis=-1).astype(jnp.int32)
 
     args = (logits, temperature, top_p, seed, step)
-    return jax.lax.cond(jnp.any(temperature > 0), draw, greedy, *args)
+    return jax.lax.cond(jnp.any(temperature > 0), jax.vmap(row), greedy, *args)
