@@ -25,9 +25,39 @@ def rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float) -> jnp.ndarray:
     return weight * (x32 * jax.lax.rsqrt(var + eps)).astype(x.dtype)
 
 
+def matmul(x: jnp.ndarray, w: jnp.ndarray) -> jnp.ndarray:
+    """[..., K] @ [K, N] -> [..., N] in `x`'s dtype, as `einsum` over the rows as one matrix.
+    A single bf16 row is multiplied as two (the row and a copy): XLA:CPU turns a one-row bf16
+    product into a matrix-vector product over the weight converted to fp32 on every call (a
+    decode step of one row took 4x as long as one of two)."""
+    rows = x.reshape(-1, x.shape[-1])
+    one = rows.shape[0] == 1 and x.dtype == w.dtype == jnp.bfloat16
+    out = einsum("mk,kn->mn", jnp.broadcast_to(rows, (2, rows.shape[1])) if one else rows, w)
+    return out[: rows.shape[0]].reshape(*x.shape[:-1], w.shape[-1])
+
+
+def einsum(spec: str, a: jnp.ndarray, b: jnp.ndarray) -> jnp.ndarray:
+    """`jnp.einsum(spec, a, b)` in `a`'s dtype. bf16 operands are multiplied with float32
+    accumulation and output, then rounded once: the arithmetic a plain bf16 product means on
+    every backend, but XLA:CPU runs it through its bf16 GEMM (about twice its fp32 rate on CPUs
+    with AVX512-BF16) where a plain bf16 product takes a path several times slower than fp32.
+    That GEMM takes only a product whose output is in `dot_general`'s own order (batch, `a`'s
+    free, `b`'s free axes), and XLA:CPU has no other bf16 x bf16 -> f32 kernel (a permuted one
+    fails when it runs), so `spec` must be written in that order."""
+    ins, out = spec.split("->")
+    lhs, rhs = ins.split(",")
+    batch = [x for x in lhs if x in rhs and x in out]
+    natural = "".join(batch + [x for x in lhs if x not in rhs] + [x for x in rhs if x not in lhs])
+    if out != natural:
+        raise ValueError(f"{spec}: the output must be in dot_general's order ({natural})")
+    if a.dtype == b.dtype == jnp.bfloat16:
+        return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32).astype(a.dtype)
+    return jnp.einsum(spec, a, b)
+
+
 def swiglu(x: jnp.ndarray, gate: jnp.ndarray, up: jnp.ndarray, down: jnp.ndarray) -> jnp.ndarray:
     """[..., H] -> [..., H]: down(silu(x @ gate) * (x @ up))."""
-    return (jax.nn.silu(x @ gate) * (x @ up)) @ down
+    return matmul(jax.nn.silu(matmul(x, gate)) * matmul(x, up), down)
 
 
 class Linear(nnx.Module):
@@ -35,7 +65,7 @@ class Linear(nnx.Module):
         self.kernel = nnx.Param(jnp.zeros((din, dout), dtype))  # [in, out]
 
     def __call__(self, x):
-        return x @ self.kernel[...]
+        return matmul(x, self.kernel[...])
 
 
 class RMSNorm(nnx.Module):

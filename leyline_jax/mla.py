@@ -23,7 +23,7 @@ from flax import nnx
 from leyline_jax import kv_state as kv
 from leyline_jax import rope
 from leyline_jax.config import ROUTER_SIGMOID_GROUPED, MLAConfig
-from leyline_jax.layers import HFLeaves, Linear, RMSNorm, contiguous, hf_shapes, mlp_shapes
+from leyline_jax.layers import HFLeaves, Linear, RMSNorm, contiguous, einsum, hf_shapes, mlp_shapes
 from pallas_kernels.dispatch import on_platform
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention, ref_ragged_paged_mla
 
@@ -58,12 +58,12 @@ def expanded_tiles(tokens: int, c: MLAConfig, block_kv: int = 512) -> tuple[int,
 def absorb_queries(q_nope, w_kb):  # [T, N, Dn], [N, Dn, R] -> [T, N, R]
     """Queries into the latent space, per head. Written head-major (a batched matmul over N on
     [N, T, Dn]): XLA's CPU backend runs the same einsum on [T, N, Dn] several times slower."""
-    return jnp.einsum("ntd,ndr->ntr", q_nope.transpose(1, 0, 2), w_kb).transpose(1, 0, 2)
+    return einsum("ntd,ndr->ntr", q_nope.transpose(1, 0, 2), w_kb).transpose(1, 0, 2)
 
 
 def expand_values(o_lat, w_vb):  # [T, N, R], [N, R, Dv] -> [T, N, Dv]
     """A latent attention output up to each head's values (head-major, as `absorb_queries`)."""
-    return jnp.einsum("ntr,nrd->ntd", o_lat.transpose(1, 0, 2), w_vb).transpose(1, 0, 2)
+    return einsum("ntr,nrd->ntd", o_lat.transpose(1, 0, 2), w_vb).transpose(1, 0, 2)
 
 
 def mla_attention(

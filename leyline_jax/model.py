@@ -23,7 +23,7 @@ from flax import nnx
 
 from leyline_jax.config import MLAConfig, check_tokens
 from leyline_jax.gqa import GQAAttention, GQAConfig
-from leyline_jax.layers import MLP, Linear, RMSNorm
+from leyline_jax.layers import MLP, Linear, RMSNorm, matmul
 from leyline_jax.mla import MLAAttention
 from leyline_jax.moe import MoE
 
@@ -76,7 +76,7 @@ class CausalLM(nnx.Module):
     def logits(self, h):
         """[..., H] (after the final norm) -> f32[..., V]."""
         if self.lm_head is None:
-            out = h @ self.embed[...].T
+            out = matmul(h, self.embed[...].T)
         else:
             out = self.lm_head(h)
         return out.astype(jnp.float32)
