@@ -23,7 +23,8 @@ def test_bf16_matmul_is_the_f32_product_rounded_once(rows):
     step = x.astype(jnp.float32)[..., :, None] * w.astype(jnp.float32)
     partial = np.zeros((*rows, 40), np.float32)
     for k in range(96):
-        partial = np.asarray(jnp.asarray(partial + np.asarray(step[..., k, :])).astype(jnp.bfloat16))
+        summed = jnp.asarray(partial + np.asarray(step[..., k, :]))
+        partial = np.asarray(summed.astype(jnp.bfloat16))
     if exact.size:
         with pytest.raises(AssertionError):
             np.testing.assert_allclose(partial, exact, rtol=2**-8, atol=1e-6)
