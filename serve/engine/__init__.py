@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 from collections.abc import Sequence
 
 import leyline_jax as ll
@@ -241,17 +242,23 @@ class Engine:
         intake.options(req, scratch, scratch_tags, move, n, vocab)
         return self.scheduler.queue(req)
 
-    def cancel(self, request: Request) -> bool:
+    def cancel(self, request: Request, *, stop: bool = False) -> bool:
         """End a queued or running turn where it stands (between steps), failing it with
         `TurnCancelled`; returns whether it was still live. Its session keeps what the turn did
         so far, consistently (a turn cut mid-prefill keeps its whole prompt as the session's
         tokens with `tokens[:cached]` in the KV: the next turn's edit and feed plan starts from
         there) and the radix cache gets its clean prefix, as when a turn finishes. What a
-        server calls when its client goes away."""
+        server calls when its client goes away. `stop=True`: the caller's own stop condition
+        ended a running turn (a stop string found in its text): it finishes as a turn does,
+        with its output so far, counted in `stopped_turns`."""
         if not isinstance(request, Request) or request.engine is not self:
             raise ValueError("request must be a Request of this engine")
         if request.finished:
             return False
+        if stop and request.status is Status.DECODE:
+            self.runner.finish(request, time.perf_counter())
+            self.counters["stopped_turns"] += 1
+            return True
         if request.status is Status.QUEUED:
             self.scheduler.drop(request)
         else:

@@ -241,9 +241,10 @@ class Runner:
                 r.stats.first_token(now)
             r.status = Status.DECODE
             if t in r.sampling.stop_tokens or len(r.output) >= r.sampling.max_new_tokens:
-                self._finish(r, now)
+                self.finish(r, now)
 
-    def _finish(self, r: Request, now: float) -> None:
+    def finish(self, r: Request, now: float) -> None:
+        """End `r` as done: its budget, a stop token, or its caller's stop (`Engine.cancel`)."""
         r.status, r.session.active = Status.DONE, None
         self.caches.cache_prefix(r.session)
         if r.scratch or r.scratch_tags is not None:

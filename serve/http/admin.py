@@ -1,8 +1,9 @@
 """The routes around the turns: `GET /health`, `GET /metrics` (Prometheus text), `GET
-/v1/models`, `DELETE /v1/sessions/{id}` (close a session: 404 unknown, 409 a turn in flight)
-and `POST /v1/snapshot` (save every session now, as at shutdown; 409 without
-`--snapshot-dir`; an admin key when the server has keys: `serve.http.auth`). A session is the
-caller's tenant's: another tenant's of the same name is not found."""
+/v1/models` and `GET /v1/models/{id}`, `DELETE /v1/sessions/{id}` (close a session: 404
+unknown, 409 a turn in flight) and `POST /v1/snapshot` (save every session now, as at
+shutdown; 409 without `--snapshot-dir`; an admin key when the server has keys:
+`serve.http.auth`). A session is the caller's tenant's: another tenant's of the same name is
+not found."""
 
 from __future__ import annotations
 
@@ -56,16 +57,25 @@ def add_routes(app, backend) -> None:
 
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
-    async def models():
-        model = {
+    def model() -> dict:
+        return {
             "id": backend.model_name,
             "object": "model",
             "created": backend.created,
             "owned_by": "leyline-jax",
             "max_model_len": backend.max_seq_len,
         }
-        return {"object": "list", "data": [model]}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def one_model(model_id: str = PathParam(min_length=1, max_length=256)):
+        if model_id != backend.model_name:
+            why = f"model {model_id!r} does not exist; this server serves {backend.model_name!r}"
+            raise APIError(404, why, "model", "not_found_error", code="model_not_found")
+        return model()
 
     @app.delete("/v1/sessions/{session_id}")
     async def close_session(request: Request, session_id: str = PathParam(**SESSION_ID)):

@@ -131,10 +131,9 @@ class ChatReply(Reply):
         fin = "tool_calls" if calls else self.finish_reason(out.output)
         use = usage(out.stats, len(out.output))
         opts = self.req.stream_options
-        if opts is not None and opts.include_usage:
-            events += [self._chunk({}, fin), self._chunk({}, usage_=use, choices=False)]
-        else:
-            events.append(self._chunk({}, fin, usage_=use))
+        events.append(self._chunk({}, fin))
+        if opts is not None and opts.include_usage:  # usage only when asked, as OpenAI
+            events.append(self._chunk({}, usage_=use, choices=False))
         events[-1].update(extra)
         return [data(e) for e in events]
 
@@ -160,8 +159,6 @@ def add_route(app, turns: Turns) -> None:
         req: ChatCompletionRequest, request: Request, x_session_id: SessionHeader = None
     ):
         caller = turns.session(req, x_session_id, request)
-        if (why := req.tool_choice_error()) is not None:
-            raise APIError(400, why, "tool_choice")
         tok = backend.tokenizer
         # rendering and tokenizing off the event loop: a long history delays no other request
         turn = await asyncio.to_thread(render, req, caller.key, tok, backend.sessions)

@@ -42,6 +42,7 @@ class Submit:
 @dataclasses.dataclass
 class Cancel:
     job: Job
+    stop: bool = False  # a stop string ended it: it finishes (`Engine.cancel`)
 
 
 @dataclasses.dataclass

@@ -23,10 +23,11 @@ class TextReply(Reply):
         super().__init__(req, caller, text, model_name)
         self.prompt = prompt
 
-    def _body(self, choices, out: Outcome | None = None) -> dict:
+    def _body(self, choices, out: Outcome | None = None, with_usage: bool = True) -> dict:
         b = dict(self.head, choices=choices)
         if out is not None:
-            b["usage"] = usage(out.stats, len(out.output))
+            if with_usage:
+                b["usage"] = usage(out.stats, len(out.output))
             b["session_id"] = self.key
             b["leyline"] = self.leyline(self.prompt, out.output)
         return b
@@ -44,7 +45,7 @@ class TextReply(Reply):
         opts = self.req.stream_options
         if opts is not None and opts.include_usage:
             return [data(self._body([last])), data(self._body([], out))]
-        return [data(self._body([last], out))]
+        return [data(self._body([last], out, with_usage=False))]  # usage only when asked
 
     def body(self, out: Outcome) -> dict:
         self.text.update(out.output, final=True)

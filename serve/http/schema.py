@@ -3,9 +3,10 @@
 Bodies are pydantic models in strict mode (nothing coerced: `"4"` or `4.0` is not an integer,
 `"false"` not a boolean): a field that fails validation becomes a 400 whose error names it
 (`error.param`, a dotted path such as `messages.1.role`). Fields of the OpenAI API the server
-does not use (`frequency_penalty`, `user`, `metadata`, ...) are accepted and ignored, as
+does not need (`user`, `metadata`, `parallel_tool_calls`, ...) are accepted and ignored, as
 OpenAI-compatible servers do; fields whose meaning it cannot honour (`n` > 1, `logprobs`,
-`echo`, non-text content parts) are refused by name.
+`top_logprobs`, `echo`, penalties other than neutral, `logit_bias`, `response_format` other
+than text, `tool_choice` "required" or named, non-text content parts) are refused by name.
 
 Beside OpenAI's fields: `session_id` (also the `X-Session-Id` header) names the conversation
 the request continues; `leyline` (the edit channel) and `context_management` (Anthropic's
@@ -128,6 +129,15 @@ def _stops(v):
     return stops
 
 
+class ResponseFormat(_Open):
+    type: Literal["text", "json_object", "json_schema"]
+
+
+# fields of the OpenAI API (and vLLM's) the sampling step does not implement: refused by name
+# unless they ask for what the server does anyway (the value here)
+_NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1}
+
+
 class _Sampling(_Open):
     model: str = Field(min_length=1)
     temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False)
@@ -139,6 +149,12 @@ class _Sampling(_Open):
     stream_options: StreamOptions | None = None
     logprobs: bool | int | None = None
     ignore_eos: bool = False
+    presence_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(None, gt=0, allow_inf_nan=False)  # vLLM's
+    logit_bias: dict[str, float] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
     session_id: str | None = Field(None, **SESSION_ID)
     cache_salt: str | None = Field(None, min_length=1, max_length=256)  # as vLLM's
     leyline: LeylineOptions | None = None
@@ -154,6 +170,29 @@ class _Sampling(_Open):
     def _no_logprobs(cls, v):
         if v not in (None, False, 0):
             raise ValueError("logprobs are not supported")
+        return v
+
+    @field_validator(*_NEUTRAL)
+    @classmethod
+    def _no_penalties(cls, v, info):
+        if v is not None and v != _NEUTRAL[info.field_name]:
+            raise ValueError(
+                f"{info.field_name} is not supported (only {_NEUTRAL[info.field_name]})"
+            )
+        return v
+
+    @field_validator("logit_bias", "top_logprobs")
+    @classmethod
+    def _no_logit_extras(cls, v, info):
+        if v:
+            raise ValueError(f"{info.field_name} is not supported")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_format(cls, v):
+        if v is not None and v.type != "text":
+            raise ValueError(f"response_format {v.type!r} is not supported yet (only 'text')")
         return v
 
     @property
@@ -175,14 +214,13 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: bool | None = None
     context_management: ContextManagement | None = None
 
-    def tool_choice_error(self) -> str | None:
-        """Why `tool_choice` is wrong, if it names a function `tools` lacks (checked by the
-        server, so that the error names the field)."""
-        if isinstance(self.tool_choice, NamedToolChoice):
-            names = {t.function.name for t in self.tools or []}
-            if self.tool_choice.function.name not in names:
-                return f"tool_choice names {self.tool_choice.function.name!r}, not in `tools`"
-        return None
+    @field_validator("tool_choice")
+    @classmethod
+    def _not_enforced(cls, v):
+        if v == "required" or isinstance(v, NamedToolChoice):
+            what = "'required'" if v == "required" else "a named function"
+            raise ValueError(f"tool_choice {what} is not supported yet (only 'auto' or 'none')")
+        return v
 
     @property
     def max_new(self) -> tuple[int | None, str]:

@@ -113,10 +113,9 @@ class OutputText:
         self.text = ""
 
     def update(self, ids: Sequence[int], final: bool = False) -> str:
-        """The new content to send after the output became `ids`."""
-        if ids and ids[-1] in self.stop_ids:
-            ids = ids[:-1]
-        text = self.tok.decode(ids)
+        """The new content to send after the output became `ids` (end-of-turn tokens are not
+        text: `ignore_eos` generates through them)."""
+        text = self.tok.decode([i for i in ids if i not in self.stop_ids])
         if not final:
             text = text.rstrip("\ufffd")  # a multi-byte character may still be arriving
         cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)

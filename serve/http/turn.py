@@ -77,8 +77,10 @@ class Reply:
         }
 
     def finish_reason(self, output: list[int]) -> str:
-        """ "stop" for a stop string or token, else "length" (the budget ran out)."""
-        stopped = self.text.stopped or (output and output[-1] in self.text.stop_ids)
+        """ "stop" for a stop string or token, else "length" (the budget ran out; with
+        `ignore_eos` an end-of-turn token does not stop the turn)."""
+        eos = bool(output) and output[-1] in self.text.stop_ids and not self.req.ignore_eos
+        stopped = self.text.stopped or eos
         return "stop" if stopped else "length"
 
     def leyline(self, prompt, output, directives=()) -> dict:
@@ -269,7 +271,7 @@ class Turns:
                 out.output += ev[1]
                 delta = text.update(out.output)
                 if text.stopped:
-                    self.worker.cancel(job)
+                    self.worker.cancel(job, stop=True)
                 if delta:
                     yield delta
             elif ev[0] == "done":

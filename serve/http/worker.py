@@ -103,10 +103,11 @@ class EngineWorker:
             self.pending += 1
         self.commands.put(Submit(job))
 
-    def cancel(self, job: Job) -> None:
+    def cancel(self, job: Job, *, stop: bool = False) -> None:
+        """End the job's turn: cancelled, or (`stop`: a stop string was found) finished."""
         if not job.done:
-            job.cancelled = True
-            self.commands.put(Cancel(job))
+            job.cancelled = not stop
+            self.commands.put(Cancel(job, stop))
 
     def snapshot(self, root, answer: Answer | None = None) -> tuple[Path, int] | None:
         """Save the engine's sessions under `root` with the HTTP sessions' own state; (its
@@ -186,8 +187,8 @@ class EngineWorker:
                     self._end(job, ("error", ShuttingDown("the server is shutting down")))
                 case Submit(job):
                     self._submit(job)
-                case Cancel(job) if job.request is not None and not job.done:
-                    self.engine.cancel(job.request)
+                case Cancel(job, stop) if job.request is not None and not job.done:
+                    self.engine.cancel(job.request, stop=stop)
                 case Close(name, answer):
                     answer(self._close(name))
                 case Snapshot(root, answer):

@@ -1,0 +1,64 @@
+"""`POST /tokenize` and `POST /detokenize`, as vLLM serves them: a prompt (text, or chat
+`messages` rendered in the model's chat layout, with `tools`) to the model's token ids, and ids
+back to text. `model`, when given, must be the one served."""
+
+from __future__ import annotations
+
+import asyncio
+
+from pydantic import Field
+
+from serve import chat
+from serve.http.errors import APIError
+from serve.http.schema import Message, Tool, _Open
+
+
+class TokenizeRequest(_Open):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = Field(None, min_length=1)
+    tools: list[Tool] | None = None
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Open):
+    model: str | None = None
+    tokens: list[int] = Field(max_length=1 << 20)
+
+
+def _check_model(model: str | None, served: str) -> None:
+    if model is not None and model != served:
+        why = f"model {model!r} does not exist; this server serves {served!r}"
+        raise APIError(400, why, "model", code="model_not_found")
+
+
+def add_routes(app, backend) -> None:
+    tok = backend.tokenizer
+
+    def tokenize_now(req: TokenizeRequest) -> list[int]:
+        if req.prompt is not None:
+            return tok.encode(req.prompt)
+        messages = [m.as_chat_dict() for m in req.messages]
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        try:
+            r = chat.render(tok, messages, tools, add_generation_prompt=req.add_generation_prompt)
+        except (KeyError, ValueError, TypeError) as e:
+            raise APIError(400, f"messages: cannot render: {e}", "messages") from e
+        return list(r.tokens)
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        _check_model(req.model, backend.model_name)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "prompt: give either `prompt` or `messages`", "prompt")
+        ids = await asyncio.to_thread(tokenize_now, req)  # off the event loop
+        return {"count": len(ids), "max_model_len": backend.max_seq_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        _check_model(req.model, backend.model_name)
+        bad = [t for t in req.tokens if not 0 <= t < backend.vocab_size]
+        if bad:
+            why = f"tokens: id {bad[0]} is outside the vocabulary [0, {backend.vocab_size})"
+            raise APIError(400, why, "tokens")
+        return {"prompt": await asyncio.to_thread(tok.decode, req.tokens)}
