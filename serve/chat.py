@@ -374,6 +374,10 @@ class ChatTokenizer:
         self.format = format
         self.vocab_size = backend.get_vocab_size()
 
+    def tokenizer_json(self) -> str:
+        """The `tokenizers` JSON of the vocabulary (what `serve.grammar.Grammars` reads)."""
+        return self._tok.to_str()
+
     def encode(self, text: str) -> list[int]:
         """Token ids of plain text (no special tokens added)."""
         return self._tok.encode(text, add_special_tokens=False).ids

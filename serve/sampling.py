@@ -27,13 +27,16 @@ class SamplingParams:
 
     max_new_tokens: int >= 1. temperature: finite, >= 0 (0: greedy). top_p: in (0, 1].
     stop_tokens: token ids (any sequence of non-negative ints; kept as a tuple). seed: in
-    [0, 2**32): with (seed, step) it fixes a sampled row's draw, whatever batch it is in."""
+    [0, 2**32): with (seed, step) it fixes a sampled row's draw, whatever batch it is in.
+    grammar: a `serve.grammar.Grammar` the output must follow (None: unconstrained); its end
+    is a stop token, so give the stop tokens its `Grammars` was made with."""
 
     max_new_tokens: int = 16
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
     stop_tokens: tuple[int, ...] = ()
     seed: int = 0
+    grammar: object = None
 
     def __post_init__(self):
         if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
@@ -44,6 +47,8 @@ class SamplingParams:
             raise ValueError(f"top_p={self.top_p!r} must be a number in (0, 1]")
         if not is_int(self.seed) or not 0 <= self.seed < 2**32:
             raise ValueError(f"seed={self.seed!r} must be an integer in [0, 2**32)")
+        if self.grammar is not None and not callable(getattr(self.grammar, "matcher", None)):
+            raise ValueError(f"grammar={self.grammar!r} must be a serve.grammar.Grammar")
         stops = self.stop_tokens
         if isinstance(stops, (str, bytes)) or not isinstance(stops, (Sequence, np.ndarray)):
             raise ValueError(f"stop_tokens={stops!r} must be a sequence of token ids")
@@ -59,12 +64,35 @@ class SamplingParams:
             object.__setattr__(self, name, value)
 
 
+def mask_words(vocab: int) -> int:
+    """int32 words of one row of `sample`'s mask: bit t % 32 of word t // 32 is token t."""
+    return (vocab + 31) // 32
+
+
+def grammar_masks(matchers, shape) -> jnp.ndarray | None:
+    """`sample`'s mask for logits of `shape` [B, V]: all ones but for the rows whose matcher
+    (`serve.grammar.Matcher`, None: unconstrained) fills its own; None when no row has one. The
+    engine fills it on the host while the step's forward runs."""
+    if all(m is None for m in matchers):
+        return None
+    masks = np.full((shape[0], mask_words(shape[1])), -1, np.int32)
+    for i, m in enumerate(matchers):
+        if m is not None:
+            m.fill(masks[i])
+    return jnp.asarray(masks)
+
+
 @jax.jit
-def sample(logits, temperature, top_p, seed, step):
+def sample(logits, temperature, top_p, seed, step, mask=None):
     """One token per row of f32[B, V] logits: greedy where temperature == 0, else a draw from
     the top-p nucleus of softmax(logits / temperature). The key depends on (seed, step) only, so
     a row draws the same token whatever batch it is in. A step whose rows are all greedy skips
-    the nucleus (a sort of the vocabulary per row: ~8 ms a row at 32k tokens on CPU)."""
+    the nucleus (a sort of the vocabulary per row: ~8 ms a row at 32k tokens on CPU). `mask`
+    (i32[B, ceil(V / 32)], `serve.grammar`): only tokens whose bit is set may be drawn."""
+    if mask is not None:
+        v = jnp.arange(logits.shape[-1], dtype=jnp.int32)
+        allowed = (mask[:, v >> 5] >> (v & 31)) & 1
+        logits = jnp.where(allowed == 1, logits, -jnp.inf)
 
     def row(lg, t, p, s, n):
         key = jax.random.fold_in(jax.random.PRNGKey(s), n)

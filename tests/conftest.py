@@ -73,6 +73,8 @@ LONGEST_FIRST = (
     "test_ragged_paged_attention.py",  # ~55 s
     "test_replay.py",  # ~55 s
     "test_hardening.py",  # ~45 s
+    "test_grammar.py",  # ~70 s (a SmolLM2 server)
+    "test_agent_clients.py",  # ~40 s (a SmolLM2 server)
     "test_http_fuzz.py",  # ~40 s
     "test_device_suite.py",  # ~40 s (the device suite's smoke, subprocesses)
     "test_gguf.py",  # ~40 s

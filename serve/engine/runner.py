@@ -32,7 +32,7 @@ from serve.engine.planner import KVPlan, TurnPlan
 from serve.engine.pool import Pool
 from serve.engine.sessions import SessionTable
 from serve.engine.types import Request, Session, Status
-from serve.sampling import sample
+from serve.sampling import grammar_masks, mask_words, sample
 
 
 class Runner:
@@ -229,11 +229,19 @@ class Runner:
             col([r.sampling.top_p for r in rows], np.float32),
             col([r.sampling.seed for r in rows], np.uint32),
             col([len(r.output) for r in rows], np.int32),
+            grammar_masks(
+                [r.matcher if i in emit else None for i, r in enumerate(rows)], logits.shape
+            ),
         )
         with jax.transfer_guard_device_to_host("allow"):  # the one read a step makes
             toks = np.asarray(toks)
         now = time.perf_counter()
         for r, t in ((rows[i], int(toks[i])) for i in emit):
+            if r.matcher is not None and not r.matcher.accept(t):
+                r.fail(RuntimeError(f"the grammar refused sampled token {t}: {r.matcher.error}"))
+                r.session.active = None
+                self.caches.cache_prefix(r.session)
+                continue
             r.output.append(t)
             r.session.tokens.append(t)
             r.session.last_used = now
@@ -273,8 +281,11 @@ class Runner:
         cols = [
             jnp.asarray(np.ones(rows, t)) for t in (np.float32, np.float32, np.uint32, np.int32)
         ]
-        logits = jnp.zeros((rows, pool.model.config.vocab_size), jnp.float32)
+        vocab = pool.model.config.vocab_size
+        logits = jnp.zeros((rows, vocab), jnp.float32)
         jax.block_until_ready(sample(logits, *cols))
+        masks = jnp.asarray(np.full((rows, mask_words(vocab)), -1, np.int32))
+        jax.block_until_ready(sample(logits, *cols, masks))  # a step with a constrained row
 
     def _warm_edit(self, kind: str, size: int) -> None:
         pool = self.pool

@@ -69,6 +69,8 @@ class Request:
         self.new_tokens = [int(t) for t in tokens]
         self.directives = list(directives)
         self.sampling = sampling
+        grammar = getattr(sampling, "grammar", None)
+        self.matcher = None if grammar is None else grammar.matcher()  # its parse state
         self.status = Status.QUEUED
         self.output: list[int] = []
         self.error: Exception | None = None

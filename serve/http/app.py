@@ -16,7 +16,7 @@ from pathlib import Path
 from fastapi import FastAPI
 
 from serve import forgotten
-from serve.http import admin, chat_completions, completions, errors, tokens
+from serve.http import admin, chat_completions, completions, errors, responses, tokens
 from serve.http.auth import Authenticate
 from serve.http.backend import Backend
 from serve.http.limits import LimitBody
@@ -44,6 +44,7 @@ def build_app(backend: Backend) -> FastAPI:
     admin.add_routes(app, backend)
     chat_completions.add_route(app, turns)
     completions.add_route(app, turns)
+    responses.add_route(app, turns)
     tokens.add_routes(app, backend)
     return app
 

@@ -13,6 +13,7 @@ and a few specials). Good for exercising the server; the text itself is of cours
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from serve.engine import Engine, EngineConfig
 from serve.http.auth import Tenants
 from serve.http.limits import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, MAX_BODY_BYTES
 from serve.http.metrics import Metrics
+from serve.http.responses_input import Store
 from serve.http.sessions import HttpSessions
 from serve.http.text import ModVocabTokenizer
 from serve.http.worker import EngineWorker
@@ -45,6 +47,20 @@ class Backend:
     body_timeout_s: float = BODY_TIMEOUT_S  # a body not in by then is a 408
     header_timeout_s: float = HEADER_TIMEOUT_S  # a connection without a request head by then
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+    # stored responses (`previous_response_id`: serve.http.responses_input.Store)
+    responses: Store = dataclasses.field(default_factory=Store)
+
+    @functools.cached_property
+    def grammars(self):
+        """`serve.grammar.Grammars` of the tokenizer (None: one without its own ids, the tiny
+        model's `ModVocabTokenizer`): built on the first constrained request (~0.2 s)."""
+        if not hasattr(self.tokenizer, "tokenizer_json"):
+            return None
+        from serve.grammar import Grammars
+
+        return Grammars(
+            self.tokenizer.tokenizer_json(), self.vocab_size, self.tokenizer.stop_tokens
+        )
 
     @property
     def metrics(self) -> Metrics:

@@ -20,6 +20,7 @@ from fastapi import Request
 
 from leyline_jax.directives import Mode, apply_to_list
 from serve import chat
+from serve.http import formats
 from serve.http.errors import APIError
 from serve.http.history import edit_messages, token_directives
 from serve.http.schema import ChatCompletionRequest
@@ -162,7 +163,8 @@ def add_route(app, turns: Turns) -> None:
         tok = backend.tokenizer
         # rendering and tokenizing off the event loop: a long history delays no other request
         turn = await asyncio.to_thread(render, req, caller.key, tok, backend.sessions)
-        sampling = turns.sampling(req, len(turn.final), *req.max_new)
+        grammar = await asyncio.to_thread(formats.grammar, req, backend)
+        sampling = turns.sampling(req, len(turn.final), *req.max_new, grammar=grammar)
         job = turns.start(turn.prompt, sampling, req, caller, turn.directives)
         markers = tool_markers(tok) if turn.use_tools else ()
         text = OutputText(tok, tok.stop_tokens, req.stops, markers)

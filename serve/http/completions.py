@@ -8,6 +8,7 @@ import asyncio
 
 from fastapi import Request
 
+from serve.http import formats
 from serve.http.errors import APIError
 from serve.http.schema import CompletionRequest
 from serve.http.text import OutputText
@@ -72,7 +73,8 @@ def add_route(app, turns: Turns) -> None:
             if bad:
                 why = f"prompt: token id {bad[0]} is outside the vocabulary [0, {vocab})"
                 raise APIError(400, why, "prompt")
-        sampling = turns.sampling(req, len(prompt), req.max_tokens, "max_tokens")
+        grammar = await asyncio.to_thread(formats.grammar, req, backend)
+        sampling = turns.sampling(req, len(prompt), req.max_tokens, "max_tokens", grammar)
         job = turns.start(prompt, sampling, req, caller)
         text = OutputText(tok, tok.stop_tokens, req.stops, ())
         reply = TextReply(req, caller, prompt, text, backend.model_name)

@@ -5,8 +5,9 @@ Bodies are pydantic models in strict mode (nothing coerced: `"4"` or `4.0` is no
 (`error.param`, a dotted path such as `messages.1.role`). Fields of the OpenAI API the server
 does not need (`user`, `metadata`, `parallel_tool_calls`, ...) are accepted and ignored, as
 OpenAI-compatible servers do; fields whose meaning it cannot honour (`n` > 1, `logprobs`,
-`top_logprobs`, `echo`, penalties other than neutral, `logit_bias`, `response_format` other
-than text, `tool_choice` "required" or named, non-text content parts) are refused by name.
+`top_logprobs`, `echo`, penalties other than neutral, `logit_bias`, non-text content parts)
+are refused by name. `response_format` (`json_object`, `json_schema`) and `tool_choice`
+("required", a named function) are enforced by `serve.http.formats`.
 
 Beside OpenAI's fields: `session_id` (also the `X-Session-Id` header) names the conversation
 the request continues; `leyline` (the edit channel) and `context_management` (Anthropic's
@@ -129,8 +130,22 @@ def _stops(v):
     return stops
 
 
+class JsonSchemaFormat(_Open):
+    name: str = Field(pattern=r"^[A-Za-z0-9_\-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Open):
     type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs `json_schema`")
+        return self
 
 
 # fields of the OpenAI API (and vLLM's) the sampling step does not implement: refused by name
@@ -188,13 +203,6 @@ class _Sampling(_Open):
             raise ValueError(f"{info.field_name} is not supported")
         return v
 
-    @field_validator("response_format")
-    @classmethod
-    def _text_format(cls, v):
-        if v is not None and v.type != "text":
-            raise ValueError(f"response_format {v.type!r} is not supported yet (only 'text')")
-        return v
-
     @property
     def stops(self) -> list[str]:
         return _stops(self.stop)
@@ -213,14 +221,6 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     context_management: ContextManagement | None = None
-
-    @field_validator("tool_choice")
-    @classmethod
-    def _not_enforced(cls, v):
-        if v == "required" or isinstance(v, NamedToolChoice):
-            what = "'required'" if v == "required" else "a named function"
-            raise ValueError(f"tool_choice {what} is not supported yet (only 'auto' or 'none')")
-        return v
 
     @property
     def max_new(self) -> tuple[int | None, str]:

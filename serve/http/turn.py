@@ -77,8 +77,7 @@ class Reply:
         }
 
     def finish_reason(self, output: list[int]) -> str:
-        """ "stop" for a stop string or token, else "length" (the budget ran out; with
-        `ignore_eos` an end-of-turn token does not stop the turn)."""
+        """ "stop" for a stop string or token (not with `ignore_eos`), else "length"."""
         eos = bool(output) and output[-1] in self.text.stop_ids and not self.req.ignore_eos
         stopped = self.text.stopped or eos
         return "stop" if stopped else "length"
@@ -155,7 +154,9 @@ class Turns:
         name = req.session_id if req.session_id is not None else header
         return Caller(request.state.tenant, name)
 
-    def sampling(self, req, prompt_len: int, asked: int | None, field: str) -> SamplingParams:
+    def sampling(
+        self, req, prompt_len: int, asked: int | None, field: str, grammar=None
+    ) -> SamplingParams:
         """The turn's sampling, its budget `asked` (None: the server's default, within the
         context) checked against the context left after a `prompt_len`-token prompt."""
         limit = self.backend.max_seq_len
@@ -183,6 +184,7 @@ class Turns:
             top_p=1.0 if req.top_p is None else req.top_p,
             seed=req.seed or 0,
             stop_tokens=() if req.ignore_eos else self.backend.tokenizer.stop_tokens,
+            grammar=grammar,
         )
 
     def start(self, prompt, sampling, req, caller: Caller, directives=()) -> Job:

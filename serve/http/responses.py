@@ -1,0 +1,206 @@
+"""`POST /v1/responses`: OpenAI's Responses API (what the OpenAI Agents SDK calls by default), on
+the chat path: the input items become chat messages, the turn runs as a chat turn (the edit
+channel, sessions, tools, `tool_choice` and `text.format` enforced as there), and the answer is
+a `response` object, or its stream of events.
+
+Input: a string (one user message) or items: messages (`role`, content a string or
+`input_text` / `output_text` parts), `function_call` (an assistant's call) and
+`function_call_output` (its result, a tool message); `instructions` is the system message.
+
+A stored response (`store`, the default) is a conversation: `previous_response_id` continues
+it (the caller's tenant's only; another's is not found), and its session is the conversation's,
+so a continued chain is an extension of its KV, spliced when the caller edits. The store is in
+memory, bounded (`MAX_STORED`, the oldest dropped first), and gone at a restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+from fastapi import Request
+
+from serve.http import formats
+from serve.http.chat_completions import ChatReply, render
+from serve.http.errors import APIError
+from serve.http.responses_input import ResponsesRequest, Stored, chat_request, messages_of
+from serve.http.text import OutputText, tool_markers
+from serve.http.turn import Outcome, SessionHeader, Turns, data, usage
+
+
+class ResponsesReply(ChatReply):
+    """A turn's answer as a `response` object, or its events (`response.created` ...
+    `response.completed`, each with its `sequence_number`)."""
+
+    prefix = "resp"
+
+    def __init__(self, rreq, req, caller, turn, text, backend, store_as):
+        super().__init__(req, caller, turn, text, backend)
+        self.rreq, self.store_as, self.seq = rreq, store_as, 0
+        self.rid = self.head["id"] = f"resp_{uuid.uuid4().hex}"  # OpenAI's form of the id
+        self.mid = f"msg_{uuid.uuid4().hex}"
+        self.created = time.time()
+
+    def _event(self, kind: str, **fields) -> dict:
+        self.seq += 1
+        return {"event": kind, **data({"type": kind, "sequence_number": self.seq - 1, **fields})}
+
+    def _response(self, status: str, output: list, use: dict | None) -> dict:
+        return {
+            "id": self.rid,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "model": self.head["model"],
+            "output": output,
+            "usage": use,
+            "error": None,
+            "incomplete_details": None,
+            "instructions": self.rreq.instructions,
+            "metadata": {},
+            "parallel_tool_calls": self.rreq.parallel_tool_calls is not False,
+            "temperature": self.rreq.temperature,
+            "top_p": self.rreq.top_p,
+            "tool_choice": self.rreq.tool_choice or "auto",
+            "tools": self.rreq.tools or [],
+            "previous_response_id": self.rreq.previous_response_id,
+            "store": self.rreq.store,
+            "session_id": self.key,
+        }
+
+    def _message(self, text: str, status: str = "completed") -> dict:
+        part = {"type": "output_text", "text": text, "annotations": []}
+        return {
+            "type": "message",
+            "id": self.mid,
+            "status": status,
+            "role": "assistant",
+            "content": [part] if status == "completed" else [],
+        }
+
+    def _done(self, out: Outcome) -> tuple[dict, list, list]:
+        """(the response, its output items, its message's parts), the conversation stored."""
+        content, calls, extra = self._finish(out)
+        items = [self._message(content)] if content or not calls else []
+        for c in calls:
+            items.append(
+                {
+                    "type": "function_call",
+                    "id": f"fc_{c['id']}",
+                    "call_id": c["id"],
+                    "name": c["function"]["name"],
+                    "arguments": c["function"]["arguments"],
+                    "status": "completed",
+                }
+            )
+        u = usage(out.stats, len(out.output))
+        use = {
+            "input_tokens": u["prompt_tokens"],
+            "output_tokens": u["completion_tokens"],
+            "total_tokens": u["total_tokens"],
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"]},
+            **{k: u[k] for k in ("reused_tokens", "spliced_tokens", "prefilled_tokens")},
+        }
+        if self.store_as is not None:
+            said = {"role": "assistant", "content": content or ""}
+            if calls:
+                said["tool_calls"] = calls
+            tenant, session, messages = self.store_as
+            self.backend.responses.put(self.rid, Stored(tenant, session, [*messages, said]))
+        return self._response("completed", items, use) | extra, items, calls
+
+    def body(self, out: Outcome) -> dict:
+        self.text.update(out.output, final=True)
+        return self._done(out)[0]
+
+    def opening(self) -> list[dict]:
+        first = self._response("in_progress", [], None)
+        return [
+            self._event("response.created", response=first),
+            self._event("response.in_progress", response=first),
+            self._event(
+                "response.output_item.added", output_index=0, item=self._message("", "in_progress")
+            ),
+            self._event(
+                "response.content_part.added",
+                item_id=self.mid,
+                output_index=0,
+                content_index=0,
+                part={"type": "output_text", "text": "", "annotations": []},
+            ),
+        ]
+
+    def delta(self, text: str) -> dict:
+        return self._event(
+            "response.output_text.delta",
+            item_id=self.mid,
+            output_index=0,
+            content_index=0,
+            delta=text,
+        )
+
+    def closing(self, out: Outcome) -> list[dict]:
+        events = []
+        tail = self.text.update(out.output, final=True)
+        if tail:
+            events.append(self.delta(tail))
+        resp, items, calls = self._done(out)
+        text = items[0]["content"][0]["text"] if items and items[0]["type"] == "message" else ""
+        at = dict(item_id=self.mid, output_index=0, content_index=0)
+        events += [
+            self._event("response.output_text.done", text=text, **at),
+            self._event(
+                "response.content_part.done",
+                part={"type": "output_text", "text": text, "annotations": []},
+                **at,
+            ),
+            self._event("response.output_item.done", output_index=0, item=self._message(text)),
+        ]
+        for i, item in enumerate(it for it in items if it["type"] == "function_call"):
+            k = i + 1
+            events += [
+                self._event("response.output_item.added", output_index=k, item=item),
+                self._event("response.output_item.done", output_index=k, item=item),
+            ]
+        events.append(self._event("response.completed", response=resp))
+        return events
+
+
+def add_route(app, turns: Turns) -> None:
+    backend = turns.backend
+
+    @app.post("/v1/responses")
+    async def responses(
+        rreq: ResponsesRequest, request: Request, x_session_id: SessionHeader = None
+    ):
+        tenant = request.state.tenant
+        messages = (
+            [] if rreq.instructions is None else [{"role": "system", "content": rreq.instructions}]
+        )
+        session = rreq.session_id or x_session_id
+        if rreq.previous_response_id is not None:
+            prior = backend.responses.get(tenant, rreq.previous_response_id)
+            messages, session = [*prior.messages], session or prior.session
+        messages += messages_of(rreq.input)
+        if session is None and rreq.store:
+            session = f"resp_{uuid.uuid4().hex}"
+        req = chat_request(rreq, messages, session)
+        caller = turns.session(req, None, request)
+        tok = backend.tokenizer
+        turn = await asyncio.to_thread(render, req, caller.key, tok, backend.sessions)
+        try:
+            grammar = await asyncio.to_thread(formats.grammar, req, backend)
+        except APIError as e:  # named as the Responses API names the field
+            if e.param and e.param.startswith("response_format"):
+                e.param = e.param.replace("response_format", "text.format")
+                e.message = e.message.replace("response_format", "text.format")
+            raise
+        sampling = turns.sampling(req, len(turn.final), *req.max_new, grammar=grammar)
+        job = turns.start(turn.prompt, sampling, req, caller, turn.directives)
+        markers = tool_markers(tok) if turn.use_tools else ()
+        text = OutputText(tok, tok.stop_tokens, req.stops, markers)
+        store_as = (tenant, session, messages) if rreq.store else None
+        reply = ResponsesReply(rreq, req, caller, turn, text, backend, store_as)
+        return await turns.respond(job, request, reply)

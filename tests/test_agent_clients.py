@@ -1,0 +1,95 @@
+"""Real agent clients against `serve.http` serving SmolLM2-135M-Instruct: the OpenAI Agents SDK
+on its default model path (the Responses API) with a function tool, and LangChain's
+`with_structured_output` with a pydantic schema (both of its methods: `json_schema`, and
+`function_calling`, a named `tool_choice`). Each runs two turns of one session (the session
+header), and the engine's counters show the second turn reusing the first's KV: the edit
+channel holds through the client."""
+
+from __future__ import annotations
+
+import pytest
+
+openai = pytest.importorskip("openai")
+agents = pytest.importorskip("agents")
+langchain_openai = pytest.importorskip("langchain_openai")
+
+from pydantic import BaseModel  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def server():
+    from serve.engine import EngineConfig
+    from serve.http import ServerThread
+    from serve.http.backend import load_backend
+
+    config = EngineConfig(num_pages=256, page_size=16, max_seqs=2, max_seq_len=2048)
+    with ServerThread(load_backend("smollm2", config)) as srv:
+        yield srv
+
+
+def reused(server) -> int:
+    return server.backend.worker.engine.counters["reused"]
+
+
+def test_the_agents_sdk_calls_a_tool_through_responses(server):
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIResponsesModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+
+    set_tracing_disabled(True)
+    calls = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        calls.append(city)
+        return "rain, 12 C"
+
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    settings = ModelSettings(
+        tool_choice="required", parallel_tool_calls=False, max_tokens=60, temperature=0.0,
+        extra_headers={"X-Session-Id": "agent-sdk-1"},
+    )  # fmt: skip
+    agent = Agent(
+        name="weather", instructions="Answer briefly.", tools=[get_weather],
+        model=OpenAIResponsesModel(model="smollm2", openai_client=client), model_settings=settings,
+    )  # fmt: skip
+    before = reused(server)
+    result = Runner.run_sync(agent, "What is the weather in Paris?", max_turns=3)
+    assert calls, [r.output for r in result.raw_responses]
+    assert isinstance(result.final_output, str)
+    # the second model call re-sent the history with the tool's output: its prefix reused
+    assert reused(server) - before > 20
+
+
+class Person(BaseModel):
+    name: str
+    age: int
+
+
+@pytest.mark.parametrize("method", ["json_schema", "function_calling"])
+def test_langchain_structured_output(server, method):
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(
+        base_url=server.url + "/v1", api_key="none", model="smollm2", temperature=0,
+        max_tokens=150, max_retries=0, default_headers={"X-Session-Id": f"lc-{method}"},
+        # the edit channel through the client: the re-sent reply (compact JSON, not the
+        # tokens sampled) is an edit; FORGET re-prefills from it exactly (greedy SmolLM2 after
+        # an AMORTIZE splice of it ran to the budget inside the JSON)
+        extra_body={"leyline": {"mode": "forget"}},
+    )  # fmt: skip
+    structured = llm.with_structured_output(Person, method=method)
+    history = [("user", "Invent a person.")]
+    before = reused(server)
+    p = structured.invoke(history)
+    assert isinstance(p, Person)
+    history += [("assistant", p.model_dump_json()), ("user", "Another one.")]
+    q = structured.invoke(history)
+    assert isinstance(q, Person)
+    assert reused(server) - before > 10  # the second turn extends the first's session

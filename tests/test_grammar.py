@@ -1,0 +1,215 @@
+"""Constrained decoding: `serve.sampling.sample`'s grammar mask (against a numpy reference) and
+structured output end to end on SmolLM2-135M-Instruct (`response_format` `json_schema` and
+`json_object` through the official `openai` client, each reply validated against its schema by
+jsonschema_rs, an independent validator); a tokenizer that cannot constrain, and a schema the
+grammar library refuses, are 400s naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from serve.sampling import grammar_masks, mask_words, sample
+
+V = 100
+
+
+class Allow:
+    """A stand-in matcher allowing a fixed set of tokens."""
+
+    def __init__(self, tokens):
+        self.tokens = list(tokens)
+
+    def fill(self, row):
+        row[:] = 0
+        for t in self.tokens:
+            row[t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
+
+
+def test_the_mask_keeps_only_allowed_tokens():
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((4, V)).astype(np.float32)
+    allowed = [[3, 31, 32, 99], None, [64], list(range(0, V, 7))]
+    masks = grammar_masks([None if a is None else Allow(a) for a in allowed], logits.shape)
+    assert masks.shape == (4, mask_words(V)) and mask_words(V) == 4
+    args = [jnp.zeros(4, jnp.float32), jnp.ones(4, jnp.float32), jnp.arange(4, dtype=jnp.uint32)]
+    greedy = np.asarray(sample(jnp.asarray(logits), *args, jnp.zeros(4, jnp.int32), masks))
+    for row, a in enumerate(allowed):
+        keep = range(V) if a is None else a
+        assert greedy[row] == max(keep, key=lambda t: logits[row, t])
+    # the unmasked argmax of the constrained rows lies outside their sets (the mask mattered)
+    assert all(np.argmax(logits[r]) not in allowed[r] for r in (0, 2, 3))
+    hot = [jnp.ones(4, jnp.float32), jnp.ones(4, jnp.float32), jnp.arange(4, dtype=jnp.uint32)]
+    for step in range(20):
+        drawn = np.asarray(sample(jnp.asarray(logits), *hot, jnp.full(4, step, jnp.int32), masks))
+        assert all(a is None or drawn[r] in a for r, a in enumerate(allowed))
+    assert grammar_masks([None, None], (2, V)) is None
+
+
+# ---- end to end on SmolLM2 ----------------------------------------------------------------
+openai = pytest.importorskip("openai")
+jsonschema_rs = pytest.importorskip("jsonschema_rs")
+
+SCHEMAS = [
+    {  # nested object, enum, array
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "age": {"type": "integer"},
+            "color": {"type": "string", "enum": ["red", "green", "blue"]},
+            "pets": {"type": "array", "items": {"type": "string"}, "maxItems": 3},
+            "address": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+        "required": ["name", "age", "color", "pets", "address"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "steps": {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 4},
+            "done": {"type": "boolean"},
+        },
+        "required": ["steps", "done"],
+        "additionalProperties": False,
+    },
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2_server():
+    from serve.engine import EngineConfig
+    from serve.http import ServerThread
+    from serve.http.backend import load_backend
+
+    config = EngineConfig(num_pages=128, page_size=16, max_seqs=2, max_seq_len=1024)
+    with ServerThread(load_backend("smollm2", config)) as srv:
+        yield srv
+
+
+@pytest.mark.parametrize("k", range(len(SCHEMAS)))
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_json_schema_replies_validate(smollm2_server, k, temperature):
+    client = openai.OpenAI(base_url=smollm2_server.url + "/v1", api_key="none", max_retries=0)
+    fmt = {
+        "type": "json_schema",
+        "json_schema": {"name": "r", "schema": SCHEMAS[k], "strict": True},
+    }
+    r = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "Answer in JSON."}],
+        max_tokens=160, temperature=temperature, seed=k, response_format=fmt,
+    )  # fmt: skip
+    assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+    jsonschema_rs.validate(SCHEMAS[k], json.loads(r.choices[0].message.content))
+
+
+def test_bad_formats_name_the_field(smollm2_server):
+    client = openai.OpenAI(base_url=smollm2_server.url + "/v1", api_key="none", max_retries=0)
+    bad = {"type": "json_schema", "json_schema": {"name": "r", "schema": {"type": "nonsense"}}}
+    for fmt, param in [
+        (bad, "response_format.json_schema.schema"),
+        ({"type": "json_schema"}, "response_format"),
+        ({"type": "yaml"}, "response_format.type"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(
+                model="smollm2", messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                response_format=fmt,
+            )  # fmt: skip
+        assert e.value.body["param"] == param, e.value.body
+
+
+# ---- tool_choice: the grammar takes what the chat layout renders, and only that ------------
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}},
+        "required": ["city"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        "required": ["a", "b"], "additionalProperties": False}}},
+]  # fmt: skip
+
+
+class _Backend:
+    def __init__(self, tok):
+        from serve.grammar import Grammars
+
+        self.tokenizer = tok
+        self.grammars = Grammars(tok.tokenizer_json(), tok.vocab_size, tok.stop_tokens)
+
+
+@pytest.fixture(scope="module", params=["chatml", "deepseek"])
+def layout(request):
+    from serve import chat
+
+    tok = chat.ChatTokenizer.from_gguf() if request.param == "chatml" else chat.ChatTokenizer()
+    return _Backend(tok)
+
+
+def _accepts(grammar, tokens) -> bool:
+    m = grammar.matcher()
+    return all(m.accept(t) for t in tokens)
+
+
+@pytest.mark.parametrize(
+    "choice, calls, ok",
+    [
+        ("required", [("get_weather", {"city": "Paris"})], True),
+        ("required", [("add", {"a": 1, "b": 2}), ("get_weather", {"city": "Oslo"})], True),
+        ("get_weather", [("get_weather", {"city": "Rome"})], True),
+        ("get_weather", [("add", {"a": 1, "b": 2})], False),  # another function than named
+        ("required", [("add", {"a": "one", "b": 2})], False),  # arguments off their schema
+        ("required", [("nope", {})], False),  # not a tool
+        ("one", [("add", {"a": 1, "b": 2})], True),  # required, parallel_tool_calls false
+        ("one", [("add", {"a": 1, "b": 2}), ("add", {"a": 1, "b": 2})], False),
+    ],
+)
+def test_tool_grammars_take_the_rendered_calls(layout, choice, calls, ok):
+    from serve import chat
+    from serve.http import formats
+    from serve.http.schema import ChatCompletionRequest
+
+    named = {"type": "function", "function": {"name": choice}}
+    req = ChatCompletionRequest.model_validate({
+        "model": "m", "messages": [{"role": "user", "content": "x"}], "tools": TOOLS,
+        "tool_choice": named if choice not in ("required", "one") else "required",
+        "parallel_tool_calls": choice != "one",
+    })  # fmt: skip
+    grammar = formats.grammar(req, layout)
+    message = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": f"c{i}", "type": "function", "function": {"name": n, "arguments": json.dumps(a)}}
+        for i, (n, a) in enumerate(calls)]}  # fmt: skip
+    reply = chat.render_reply(layout.tokenizer, message).tokens
+    stop = layout.tokenizer.stop_tokens[0]
+    body = reply[: reply.index(stop) + 1]  # through the end of the reply
+    assert _accepts(grammar, body) is ok
+    if ok and choice != "required":  # exactly one call
+        assert not _accepts(grammar, body[:-1] + body[: reply.index(stop)])
+
+
+@pytest.mark.parametrize("choice", ["required", "add", "none"])
+def test_tool_choice_over_http(smollm2_server, choice):
+    client = openai.OpenAI(base_url=smollm2_server.url + "/v1", api_key="none", max_retries=0)
+    named = {"type": "function", "function": {"name": choice}}
+    r = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=TOOLS, tool_choice=named if choice == "add" else choice, max_tokens=60,
+        temperature=0.7, seed=1, parallel_tool_calls=False,  # SmolLM2 repeats a call else
+    )  # fmt: skip
+    calls = r.choices[0].message.tool_calls or []
+    if choice == "none":
+        assert not calls and r.choices[0].finish_reason != "tool_calls"
+        return
+    assert r.choices[0].finish_reason == "tool_calls" and calls
+    for c in calls:
+        tool = next(t for t in TOOLS if t["function"]["name"] == c.function.name)
+        jsonschema_rs.validate(tool["function"]["parameters"], json.loads(c.function.arguments))
+    if choice == "add":
+        assert [c.function.name for c in calls] == ["add"]

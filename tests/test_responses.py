@@ -1,0 +1,120 @@
+"""`POST /v1/responses` through the official `openai` client (`client.responses`): a response
+equals the chat turn of the same history (greedy), its stream's deltas make its text and end
+in `response.completed`, `previous_response_id` continues the conversation in one session (the
+chain's prefix reused, not re-prefilled), function calls and their outputs as input items, and
+what it cannot take is a 400 / 404 naming the field.
+
+The tiny default model (vocabulary 256) with DeepSeek's tokenizer, ids modulo the vocabulary.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+import leyline_jax as ll  # noqa: E402
+from checkpoints.tiny import ensure_default_checkpoints  # noqa: E402
+from serve import chat  # noqa: E402
+from serve.engine import Engine  # noqa: E402
+from serve.http import Backend, ServerThread  # noqa: E402
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    path = ensure_default_checkpoints(tmp_path_factory.mktemp("ckpt"))["deepseek_v3"]
+    engine = Engine(ll.load_model(path), num_pages=256, page_size=16, max_seqs=4,
+                    kv_dtype=jnp.float32)  # fmt: skip
+    with ServerThread(Backend.for_engine(engine, chat.ChatTokenizer(), MODEL)) as srv:
+        yield openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+
+
+def test_a_response_is_the_chat_turn_of_its_history(client):
+    r = client.responses.create(
+        model=MODEL, instructions="Be brief.", input="Hi there!", max_output_tokens=6,
+        temperature=0, store=False,
+    )  # fmt: skip
+    history = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi there!"},
+    ]
+    c = client.chat.completions.create(model=MODEL, max_tokens=6, temperature=0, messages=history)
+    assert r.object == "response" and r.status == "completed"
+    assert r.output_text == c.choices[0].message.content
+    assert r.usage.input_tokens == c.usage.prompt_tokens
+    assert r.usage.output_tokens == c.usage.completion_tokens
+    events = list(client.responses.create(
+        model=MODEL, instructions="Be brief.", input="Hi there!", max_output_tokens=6,
+        temperature=0, store=False, stream=True,
+    ))  # fmt: skip
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == r.output_text == events[-1].response.output_text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_previous_response_id_continues_one_session(client):
+    r1 = client.responses.create(model=MODEL, input="Tell me a story.", max_output_tokens=4,
+                                 temperature=0)  # fmt: skip
+    r2 = client.responses.create(model=MODEL, input="And then?", max_output_tokens=4,
+                                 temperature=0, previous_response_id=r1.id)  # fmt: skip
+    assert r2.model_extra["session_id"] == r1.model_extra["session_id"] is not None
+    # the chain's history is the session's tokens: reused, only the new message prefilled
+    assert r2.usage.model_extra["reused_tokens"] >= r1.usage.input_tokens
+    assert r2.usage.input_tokens > r1.usage.input_tokens + r1.usage.output_tokens
+    with pytest.raises(openai.NotFoundError) as e:
+        client.responses.create(model=MODEL, input="x", previous_response_id="resp_nope")
+    assert e.value.body["param"] == "previous_response_id"
+
+
+def test_function_calls_and_outputs_as_input_items(client):
+    params = {"type": "object", "properties": {"city": {"type": "string"}}}
+    tools = [{"type": "function", "name": "get_weather", "parameters": params}]
+    args, result = '{"city": "Paris"}', '{"sky": "rain"}'
+    items = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": args},
+        {"type": "function_call_output", "call_id": "c1", "output": result},
+    ]
+    r = client.responses.create(
+        model=MODEL, input=items, tools=tools, max_output_tokens=3, temperature=0, store=False
+    )
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": args}}
+    c = client.chat.completions.create(
+        model=MODEL,
+        max_tokens=3,
+        temperature=0,
+        tools=[{"type": "function", "function": {"name": "get_weather", "parameters": params}}],
+        messages=[
+            items[0],
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": result},
+        ],
+    )
+    assert r.usage.input_tokens == c.usage.prompt_tokens
+    assert r.output_text == c.choices[0].message.content
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"input": [{"type": "reasoning", "summary": []}]}, "input.0"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
+            "input.0",
+        ),
+        ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+        ({"input": "x", "text": {"format": {"type": "json_object"}}}, "text.format"),
+        ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format.type"),
+        ({"input": "x", "text": {"format": "json"}}, "text.format"),
+    ],
+)
+def test_what_it_cannot_take_is_named(client, body, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, **body)
+    assert e.value.body["param"] == param, e.value.body
