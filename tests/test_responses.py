@@ -118,3 +118,19 @@ def test_what_it_cannot_take_is_named(client, body, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model=MODEL, **body)
     assert e.value.body["param"] == param, e.value.body
+
+
+def test_a_stored_response_is_its_tenants_alone():
+    from serve.http.errors import APIError
+    from serve.http.responses_input import Store, Stored
+
+    store = Store(limit=2)
+    store.put("r1", Stored("alice", "s1", []))
+    assert store.get("alice", "r1").session == "s1"
+    with pytest.raises(APIError) as e:
+        store.get("bob", "r1")  # another tenant's: not found, as an unknown one
+    assert e.value.status == 404 and e.value.param == "previous_response_id"
+    store.put("r2", Stored("alice", "s2", []))
+    store.put("r3", Stored("alice", "s3", []))  # past the limit: the oldest goes
+    with pytest.raises(APIError):
+        store.get("alice", "r1")
