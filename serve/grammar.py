@@ -44,9 +44,10 @@ class Grammars:
     def lark(self, text: str) -> Grammar:
         """A grammar in llguidance's Lark dialect (`%json {schema}` rules, `<[id]>` tokens)."""
         try:
-            return self.grammar(llguidance.LLMatcher.grammar_from_lark(text))
+            compiled = llguidance.LLMatcher.grammar_from_lark(text)
         except (TypeError, ValueError) as e:
             raise ValueError(f"the grammar is not one this server can enforce: {e}") from e
+        return self.grammar(compiled)
 
     def grammar(self, text: str) -> Grammar:
         why = llguidance.LLMatcher.validate_grammar(text, self._tok)
