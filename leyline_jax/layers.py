@@ -41,9 +41,11 @@ def einsum(spec: str, a: jnp.ndarray, b: jnp.ndarray) -> jnp.ndarray:
     accumulation and output, then rounded once: the arithmetic a plain bf16 product means on
     every backend, but XLA:CPU runs it through its bf16 GEMM (about twice its fp32 rate on CPUs
     with AVX512-BF16) where a plain bf16 product takes a path several times slower than fp32.
-    That GEMM takes only a product whose output is in `dot_general`'s own order (batch, `a`'s
-    free, `b`'s free axes), and XLA:CPU has no other bf16 x bf16 -> f32 kernel (a permuted one
-    fails when it runs), so `spec` must be written in that order."""
+    XLA:CPU's generic dot has no bf16 x bf16 -> f32 kernel, and a product XLA lays out
+    permuted may not reach the GEMM: `nts,sr->tnr` in the whole-sequence MLA attention failed
+    when it ran (UNIMPLEMENTED in DotThunk; not every permuted spec does). So `spec` must be
+    written in `dot_general`'s own output order (batch, `a`'s free, `b`'s free axes), summing
+    out no free axis: the case the products here need, checked."""
     ins, out = spec.split("->")
     lhs, rhs = ins.split(",")
     batch = [x for x in lhs if x in rhs and x in out]

@@ -213,3 +213,30 @@ def test_tool_choice_over_http(smollm2_server, choice):
         jsonschema_rs.validate(tool["function"]["parameters"], json.loads(c.function.arguments))
     if choice == "add":
         assert [c.function.name for c in calls] == ["add"]
+
+
+def test_a_tool_schema_with_local_refs(layout):
+    from serve import chat
+    from serve.http import formats
+    from serve.http.schema import ChatCompletionRequest
+
+    loc = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    at = {"at": {"$ref": "#/$defs/Loc"}}
+    params = {"$defs": {"Loc": loc}, "type": "object", "properties": at, "required": ["at"]}
+    tool = {"type": "function", "function": {"name": "go", "parameters": params}}
+    req = ChatCompletionRequest.model_validate(
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": [tool, TOOLS[1]],
+            "tool_choice": "required",
+        }  # fmt: skip
+    )
+    grammar = formats.grammar(req, layout)
+    args = json.dumps({"at": {"city": "Oslo"}})
+    call = {"id": "c", "type": "function", "function": {"name": "go", "arguments": args}}
+    reply = chat.render_reply(
+        layout.tokenizer, {"role": "assistant", "content": "", "tool_calls": [call]}
+    )
+    stop = layout.tokenizer.stop_tokens[0]
+    assert _accepts(grammar, reply.tokens[: reply.tokens.index(stop) + 1])

@@ -94,6 +94,7 @@ def test_tokenize_is_what_the_chat_route_runs(server, client):
         ("/tokenize", {"prompt": "a", "messages": MESSAGES}, "prompt"),
         ("/tokenize", {"prompt": "a", "model": "other"}, "model"),
         ("/tokenize", {"prompt": 5}, "prompt"),
+        ("/tokenize", {"prompt": "\ud800"}, "prompt"),  # a lone surrogate: not text
         ("/detokenize", {"tokens": [1, 256]}, "tokens"),
         ("/detokenize", {"tokens": [-1]}, "tokens"),
         ("/detokenize", {"tokens": ["1"]}, "tokens.0"),

@@ -67,6 +67,14 @@ def test_previous_response_id_continues_one_session(client):
     # the chain's history is the session's tokens: reused, only the new message prefilled
     assert r2.usage.model_extra["reused_tokens"] >= r1.usage.input_tokens
     assert r2.usage.input_tokens > r1.usage.input_tokens + r1.usage.output_tokens
+    # each request's instructions apply, the earlier ones are not carried over
+    kw = dict(model=MODEL, input="And then?", max_output_tokens=1, temperature=0, store=False)
+    a = client.responses.create(**kw, previous_response_id=r1.id, instructions="Be brief.")
+    b = client.responses.create(**kw, previous_response_id=r1.id, instructions="Be long-winded.")
+    tok = chat.ChatTokenizer()
+    grew = len(tok.encode("Be long-winded.")) - len(tok.encode("Be brief."))
+    assert b.usage.input_tokens - a.usage.input_tokens == grew
+    assert b.usage.model_extra["spliced_tokens"] > 0  # the changed instructions: an edit
     with pytest.raises(openai.NotFoundError) as e:
         client.responses.create(model=MODEL, input="x", previous_response_id="resp_nope")
     assert e.value.body["param"] == "previous_response_id"

@@ -237,10 +237,8 @@ class Runner:
             toks = np.asarray(toks)
         now = time.perf_counter()
         for r, t in ((rows[i], int(toks[i])) for i in emit):
-            if r.matcher is not None and not r.matcher.accept(t):
-                r.fail(RuntimeError(f"the grammar refused sampled token {t}: {r.matcher.error}"))
-                r.session.active = None
-                self.caches.cache_prefix(r.session)
+            if r.matcher is not None and not r.matcher.accept(t):  # it allowed no token
+                self.finish(r, now)  # the reply ends where its grammar could go no further
                 continue
             r.output.append(t)
             r.session.tokens.append(t)

@@ -75,19 +75,18 @@ def _tool_grammar(req, backend):
 
 
 def _hermes(names, tools) -> str:
-    """A Hermes block: `<tool_call>\\n` the call's JSON `\\n</tool_call>`."""
-    calls = {
-        "anyOf": [
-            {
-                "type": "object",
-                "properties": {"name": {"const": n}, "arguments": tools[n]},
-                "required": ["name", "arguments"],
-                "additionalProperties": False,
-            }
-            for n in names
-        ]
-    }
-    return f'call: "<tool_call>\\n" body "\\n</tool_call>"\nbody: %json {json.dumps(calls)}\n'
+    """A Hermes block: `<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>`, as the
+    layout renders it; each tool's `parameters` the root of its own `%json` rule (so that its
+    local `$ref`s resolve)."""
+    rules = [
+        'call: "<tool_call>\\n" body "\\n</tool_call>"',
+        f"body: {' | '.join(f'body{i}' for i in range(len(names)))}",
+    ]
+    for i, n in enumerate(names):
+        head = json.dumps(f'{{"name": {json.dumps(n)}, "arguments": ')  # a Lark string
+        rules.append(f'body{i}: {head} args{i} "}}"')
+        rules.append(f"args{i}: %json {json.dumps(tools[n])}")
+    return "\n".join(rules) + "\n"
 
 
 def _deepseek(names, tools, tok) -> str:

@@ -79,10 +79,11 @@ class ResponsesReply(ChatReply):
             "content": [part] if status == "completed" else [],
         }
 
-    def _done(self, out: Outcome) -> tuple[dict, list, list]:
+    def _done(self, out: Outcome, streamed: bool = False) -> tuple[dict, list, list]:
         """(the response, its output items, its message's parts), the conversation stored."""
         content, calls, extra = self._finish(out)
-        items = [self._message(content)] if content or not calls else []
+        # a stream announced its message item first: it stays, empty, beside the calls
+        items = [self._message(content)] if content or not calls or streamed else []
         for c in calls:
             items.append(
                 {
@@ -146,7 +147,7 @@ class ResponsesReply(ChatReply):
         tail = self.text.update(out.output, final=True)
         if tail:
             events.append(self.delta(tail))
-        resp, items, calls = self._done(out)
+        resp, items, calls = self._done(out, streamed=True)
         text = items[0]["content"][0]["text"] if items and items[0]["type"] == "message" else ""
         at = dict(item_id=self.mid, output_index=0, content_index=0)
         events += [
@@ -176,17 +177,21 @@ def add_route(app, turns: Turns) -> None:
         rreq: ResponsesRequest, request: Request, x_session_id: SessionHeader = None
     ):
         tenant = request.state.tenant
-        messages = (
-            [] if rreq.instructions is None else [{"role": "system", "content": rreq.instructions}]
-        )
-        session = rreq.session_id or x_session_id
+        if rreq.session_id and x_session_id and rreq.session_id != x_session_id:
+            why = "session_id and the X-Session-Id header name different sessions"
+            raise APIError(400, why, "session_id")
+        # the conversation as stored: without instructions, which each request gives anew
+        said, session = [], rreq.session_id or x_session_id
         if rreq.previous_response_id is not None:
             prior = backend.responses.get(tenant, rreq.previous_response_id)
-            messages, session = [*prior.messages], session or prior.session
-        messages += messages_of(rreq.input)
+            said, session = [*prior.messages], session or prior.session
+        said += messages_of(rreq.input)
+        system = (
+            [] if rreq.instructions is None else [{"role": "system", "content": rreq.instructions}]
+        )
         if session is None and rreq.store:
             session = f"resp_{uuid.uuid4().hex}"
-        req = chat_request(rreq, messages, session)
+        req = chat_request(rreq, system + said, session)
         caller = turns.session(req, None, request)
         tok = backend.tokenizer
         turn = await asyncio.to_thread(render, req, caller.key, tok, backend.sessions)
@@ -201,6 +206,6 @@ def add_route(app, turns: Turns) -> None:
         job = turns.start(turn.prompt, sampling, req, caller, turn.directives)
         markers = tool_markers(tok) if turn.use_tools else ()
         text = OutputText(tok, tok.stop_tokens, req.stops, markers)
-        store_as = (tenant, session, messages) if rreq.store else None
+        store_as = (tenant, session, said) if rreq.store else None
         reply = ResponsesReply(rreq, req, caller, turn, text, backend, store_as)
         return await turns.respond(job, request, reply)

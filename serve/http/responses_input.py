@@ -71,8 +71,11 @@ def _text(content, param: str) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list) and all(isinstance(p, dict) for p in content):
-        if all(p.get("type") in ("input_text", "output_text", "text") for p in content):
-            return "".join(str(p.get("text", "")) for p in content)
+        texts = [p.get("text") for p in content]
+        kinds = [p.get("type") for p in content]
+        if all(k in ("input_text", "output_text", "text") for k in kinds):
+            if all(isinstance(t, str) for t in texts):
+                return "".join(texts)
     raise APIError(400, f"{param}: only text content is supported", param)
 
 
@@ -139,7 +142,7 @@ def chat_request(req: ResponsesRequest, messages: list[dict], session: str | Non
         if getattr(req, src) is not None:
             body[dst] = getattr(req, src)
     if req.leyline is not None:
-        body["leyline"] = req.leyline.model_dump()
+        body["leyline"] = req.leyline.model_dump(mode="json")
     body["session_id"] = session
     try:
         return ChatCompletionRequest.model_validate(body)

@@ -37,7 +37,10 @@ def add_routes(app, backend) -> None:
 
     def tokenize_now(req: TokenizeRequest) -> list[int]:
         if req.prompt is not None:
-            return tok.encode(req.prompt)
+            try:
+                return tok.encode(req.prompt)
+            except (TypeError, ValueError) as e:  # JSON can carry lone surrogates: not text
+                raise APIError(400, f"prompt: not text: {e}", "prompt") from e
         messages = [m.as_chat_dict() for m in req.messages]
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         try:
