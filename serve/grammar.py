@@ -79,7 +79,3 @@ class Matcher:
     def accept(self, token: int) -> bool:
         """Advance past a sampled token; False if the grammar does not allow it."""
         return bool(self._m.consume_token(int(token)))
-
-    @property
-    def error(self) -> str | None:
-        return self._m.get_error() if self._m.is_error() else None

@@ -120,6 +120,25 @@ def _drop_compiled_programs():
     jax.clear_caches()
 
 
+@pytest.fixture(scope="module")
+def tiny_server(tmp_path_factory):
+    """A live `serve.http` server (a module's own) on the tiny default model, with DeepSeek's
+    tokenizer (ids modulo its 256-token vocabulary), served as "tiny"; fp32 KV."""
+    import jax.numpy as jnp
+
+    import leyline_jax as ll
+    from checkpoints.tiny import ensure_default_checkpoints
+    from serve import chat
+    from serve.engine import Engine
+    from serve.http import Backend, ServerThread
+
+    path = ensure_default_checkpoints(tmp_path_factory.mktemp("ckpt"))["deepseek_v3"]
+    engine = Engine(ll.load_model(path), num_pages=256, page_size=16, max_seqs=4,
+                    kv_dtype=jnp.float32)  # fmt: skip
+    with ServerThread(Backend.for_engine(engine, chat.ChatTokenizer(), "tiny")) as srv:
+        yield srv
+
+
 @pytest.fixture(scope="session")
 def ckpt_root(tmp_path_factory):
     return tmp_path_factory.mktemp("tiny_checkpoints")

@@ -13,17 +13,12 @@ import json
 import urllib.error
 import urllib.request
 
-import jax.numpy as jnp
 import pytest
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-import leyline_jax as ll  # noqa: E402
-from checkpoints.tiny import ensure_default_checkpoints  # noqa: E402
 from serve import chat  # noqa: E402
-from serve.engine import Engine  # noqa: E402
-from serve.http import Backend, ServerThread  # noqa: E402
 from serve.http.text import ModVocabTokenizer, OutputText  # noqa: E402
 
 MODEL = "tiny"
@@ -31,12 +26,8 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    path = ensure_default_checkpoints(tmp_path_factory.mktemp("ckpt"))["deepseek_v3"]
-    engine = Engine(ll.load_model(path), num_pages=256, page_size=16, max_seqs=4,
-                    kv_dtype=jnp.float32)  # fmt: skip
-    with ServerThread(Backend.for_engine(engine, chat.ChatTokenizer(), MODEL)) as srv:
-        yield srv
+def server(tiny_server):
+    return tiny_server
 
 
 @pytest.fixture(scope="module")

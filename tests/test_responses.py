@@ -9,28 +9,19 @@ The tiny default model (vocabulary 256) with DeepSeek's tokenizer, ids modulo th
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import pytest
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-import leyline_jax as ll  # noqa: E402
-from checkpoints.tiny import ensure_default_checkpoints  # noqa: E402
 from serve import chat  # noqa: E402
-from serve.engine import Engine  # noqa: E402
-from serve.http import Backend, ServerThread  # noqa: E402
 
 MODEL = "tiny"
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
-    path = ensure_default_checkpoints(tmp_path_factory.mktemp("ckpt"))["deepseek_v3"]
-    engine = Engine(ll.load_model(path), num_pages=256, page_size=16, max_seqs=4,
-                    kv_dtype=jnp.float32)  # fmt: skip
-    with ServerThread(Backend.for_engine(engine, chat.ChatTokenizer(), MODEL)) as srv:
-        yield openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+def client(tiny_server):
+    return openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="none", max_retries=0)
 
 
 def test_a_response_is_the_chat_turn_of_its_history(client):

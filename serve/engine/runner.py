@@ -218,7 +218,7 @@ class Runner:
         `logits`: one row per step row and padding ([row bucket, vocab]); every row is sampled
         (padding and rows still prefilling are discarded), so sampling compiles one shape per
         row bucket, like the step."""
-        pad = logits.shape[0] - len(rows)
+        pad, emitted = logits.shape[0] - len(rows), set(emit)
 
         def col(values, dtype):
             return jnp.asarray(np.asarray(values + [values[0]] * pad, dtype))
@@ -230,7 +230,8 @@ class Runner:
             col([r.sampling.seed for r in rows], np.uint32),
             col([len(r.output) for r in rows], np.int32),
             grammar_masks(
-                [r.matcher if i in emit else None for i, r in enumerate(rows)], logits.shape
+                [rows[i].matcher if i in emitted else None for i in range(len(rows))],
+                logits.shape,
             ),
         )
         with jax.transfer_guard_device_to_host("allow"):  # the one read a step makes

@@ -119,6 +119,23 @@ class StreamOptions(_Open):
     include_usage: bool = False
 
 
+def text_only(v: str) -> str:
+    """`v` if it is text: JSON can carry lone surrogates, which no tokenizer takes."""
+    if not v.isascii():
+        try:
+            v.encode()
+        except UnicodeEncodeError as e:
+            raise ValueError(f"the prompt is not text: {e.reason} at {e.start}") from e
+    return v
+
+
+def _refused(cls, v, info):
+    """A field the server cannot honour: refused by name when set."""
+    if v:
+        raise ValueError(f"{info.field_name} is not supported")
+    return v
+
+
 def _stops(v):
     if v is None:
         return []
@@ -196,12 +213,7 @@ class _Sampling(_Open):
             )
         return v
 
-    @field_validator("logit_bias", "top_logprobs")
-    @classmethod
-    def _no_logit_extras(cls, v, info):
-        if v:
-            raise ValueError(f"{info.field_name} is not supported")
-        return v
+    _no_logit_extras = field_validator("logit_bias", "top_logprobs")(classmethod(_refused))
 
     @property
     def stops(self) -> list[str]:
@@ -247,18 +259,10 @@ class CompletionRequest(_Sampling):
             v = v[0]
         if len(v) == 0:
             raise ValueError("the prompt is empty")
-        if isinstance(v, str) and not v.isascii():
-            try:
-                v.encode()
-            except UnicodeEncodeError as e:  # JSON can carry lone surrogates: not text
-                raise ValueError(f"the prompt is not text: {e.reason} at {e.start}") from e
+        if isinstance(v, str):
+            text_only(v)
         if isinstance(v, list) and any(t < 0 for t in v):
             raise ValueError("token ids must be >= 0")
         return v
 
-    @field_validator("echo", "suffix")
-    @classmethod
-    def _unsupported(cls, v, info):
-        if v:
-            raise ValueError(f"{info.field_name} is not supported")
-        return v
+    _unsupported = field_validator("echo", "suffix")(classmethod(_refused))

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import asyncio
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from serve import chat
 from serve.http.errors import APIError
-from serve.http.schema import Message, Tool, _Open
+from serve.http.schema import Message, Tool, _Open, text_only
 
 
 class TokenizeRequest(_Open):
@@ -19,6 +19,11 @@ class TokenizeRequest(_Open):
     messages: list[Message] | None = Field(None, min_length=1)
     tools: list[Tool] | None = None
     add_generation_prompt: bool = True
+
+    @field_validator("prompt")
+    @classmethod
+    def _text(cls, v):
+        return v if v is None else text_only(v)
 
 
 class DetokenizeRequest(_Open):
@@ -37,10 +42,7 @@ def add_routes(app, backend) -> None:
 
     def tokenize_now(req: TokenizeRequest) -> list[int]:
         if req.prompt is not None:
-            try:
-                return tok.encode(req.prompt)
-            except (TypeError, ValueError) as e:  # JSON can carry lone surrogates: not text
-                raise APIError(400, f"prompt: not text: {e}", "prompt") from e
+            return tok.encode(req.prompt)
         messages = [m.as_chat_dict() for m in req.messages]
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         try:
