@@ -1,9 +1,10 @@
 """Real agent clients against `serve.http` serving SmolLM2-135M-Instruct: the OpenAI Agents SDK
 on its default model path (the Responses API) with a function tool, and LangChain's
 `with_structured_output` with a pydantic schema (both of its methods: `json_schema`, and
-`function_calling`, a named `tool_choice`). Each runs two turns of one session (the session
-header), and the engine's counters show the second turn reusing the first's KV: the edit
-channel holds through the client."""
+`function_calling`, a named `tool_choice`), and litellm's `completion` with a required tool
+call. Each runs two turns of one session (the session header), and the engine's counters show
+the second turn reusing the first's KV; litellm's third turn edits the tool's output and is
+spliced: the edit channel holds through the client."""
 
 from __future__ import annotations
 
@@ -93,3 +94,47 @@ def test_langchain_structured_output(server, method):
     q = structured.invoke(history)
     assert isinstance(q, Person)
     assert reused(server) - before > 10  # the second turn extends the first's session
+
+
+def test_litellm_calls_a_tool_and_splices_an_edited_history(server):
+    import json
+    import os
+
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch at import
+    litellm = pytest.importorskip("litellm")
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string"}},
+                    "required": ["city"],
+                    "additionalProperties": False,
+                },
+            },
+        }
+    ]
+    kw = dict(
+        model="openai/smollm2", api_base=server.url + "/v1", api_key="none", temperature=0,
+        max_tokens=60, tools=tools, extra_headers={"X-Session-Id": "litellm-1"},
+    )  # fmt: skip
+    history = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = litellm.completion(messages=history, tool_choice="required", parallel_tool_calls=False,
+                           **kw)  # fmt: skip
+    assert r.choices[0].message.tool_calls, r
+    call = r.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_weather" and "city" in json.loads(call.function.arguments)
+    said = {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]}
+    result = {"role": "tool", "tool_call_id": call.id, "content": "rain, 12 C, wind from the west"}
+    history += [said, result]
+    counters = server.backend.worker.engine.counters
+    reused, spliced = counters["reused"], counters["spliced"]
+    litellm.completion(messages=history, **kw)
+    assert counters["reused"] - reused > 20  # the call's turn extends the first's session
+    # the agent drops the tool output's detail: an edit of its history, spliced (AMORTIZE)
+    history[-1] = dict(result, content="rain")
+    reused = counters["reused"]
+    litellm.completion(messages=history, **kw)
+    assert counters["spliced"] > spliced and counters["reused"] - reused > 20

@@ -226,6 +226,11 @@ def test_tools_render_and_parse(client, base_tokenizer):
     content, calls = parse_tool_calls(hermes)
     assert content == "ok" and json.loads(calls[0]["function"]["arguments"]) == {"q": 2}
     assert parse_tool_calls("no calls here") == ("no calls here", [])
+    cut = hermes + '\n<tool_call>\n{"name": "f", "argu'  # the budget cut a second call
+    assert [c["function"]["name"] for c in parse_tool_calls(cut)[1]] == ["f"]
+    assert parse_tool_calls(cut[len(hermes) + 1 :])[1] == []  # only a cut call: text
+    bad = hermes + '<tool_call>\n{"name": "f", "argu</tool_call>'  # closed, not JSON: text
+    assert parse_tool_calls(bad) == (bad, [])
 
     # streaming holds content back at a marker or a stop string that may be starting
     class Chars:

@@ -34,7 +34,11 @@ def test_a_response_is_the_chat_turn_of_its_history(client):
         {"role": "user", "content": "Hi there!"},
     ]
     c = client.chat.completions.create(model=MODEL, max_tokens=6, temperature=0, messages=history)
-    assert r.object == "response" and r.status == "completed"
+    # a reply the budget cut is "incomplete", as the chat turn's finish reason "length"
+    status = {"stop": "completed", "length": "incomplete"}[c.choices[0].finish_reason]
+    assert r.object == "response" and r.status == status
+    cut = None if status == "completed" else "max_output_tokens"
+    assert (r.incomplete_details and r.incomplete_details.reason) == cut
     assert r.output_text == c.choices[0].message.content
     assert r.usage.input_tokens == c.usage.prompt_tokens
     assert r.usage.output_tokens == c.usage.completion_tokens
@@ -43,7 +47,7 @@ def test_a_response_is_the_chat_turn_of_its_history(client):
         temperature=0, store=False, stream=True,
     ))  # fmt: skip
     kinds = [e.type for e in events]
-    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert kinds[0] == "response.created" and kinds[-1] == f"response.{status}"
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert text == r.output_text == events[-1].response.output_text
     assert [e.sequence_number for e in events] == list(range(len(events)))
@@ -108,6 +112,11 @@ def test_function_calls_and_outputs_as_input_items(client):
             "input.0",
         ),
         ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+        ({"input": "x", "max_output_tokens": 10**6}, "max_output_tokens"),  # past the context
+        (
+            {"input": "x", "extra_body": {"leyline": {"directives": [{"messages": [0, 3]}]}}},
+            "leyline.directives.0.messages",
+        ),
         ({"input": "x", "text": {"format": {"type": "json_object"}}}, "text.format"),
         ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format.type"),
         ({"input": "x", "text": {"format": "json"}}, "text.format"),
@@ -130,6 +139,27 @@ def test_a_stored_response_is_its_tenants_alone():
         store.get("bob", "r1")  # another tenant's: not found, as an unknown one
     assert e.value.status == 404 and e.value.param == "previous_response_id"
     store.put("r2", Stored("alice", "s2", []))
-    store.put("r3", Stored("alice", "s3", []))  # past the limit: the oldest goes
+    for k in range(3):  # another tenant's traffic evicts none of alice's
+        store.put(f"b{k}", Stored("bob", "sb", []))
+    assert store.get("alice", "r1").session == "s1"
+    store.put("r3", Stored("alice", "s3", []))  # past her limit: her oldest goes
     with pytest.raises(APIError):
         store.get("alice", "r1")
+    assert store.get("alice", "r3").session == "s3" and store.get("bob", "b2").session == "sb"
+
+
+def test_an_edit_holds_down_the_chain(client, tiny_server):
+    """A directive on a continued response edits the stored conversation: the next response
+    extends the edited history (its KV reused), and what a FORGET evicted is stored no more."""
+    secret = "The vault code is 7341."
+    kw = dict(model=MODEL, max_output_tokens=2, temperature=0)
+    r1 = client.responses.create(input=secret, **kw)
+    forget = {"directives": [{"messages": [0, 0], "replacement": "(gone)", "mode": "forget"}]}
+    r2 = client.responses.create(input="Hi", previous_response_id=r1.id, **kw,
+                                 extra_body={"leyline": forget})  # fmt: skip
+    assert r2.usage.model_extra["spliced_tokens"] == 0  # FORGET: prefilled from the edit on
+    r3 = client.responses.create(input="Again", previous_response_id=r2.id, **kw)
+    assert r3.usage.model_extra["reused_tokens"] >= r2.usage.input_tokens
+    stored = tiny_server.backend.responses.get("", r3.id).messages
+    assert stored[0] == {"role": "user", "content": "(gone)"}
+    assert not any(secret in str(m) for m in stored)

@@ -36,6 +36,7 @@ class Turn:
     directives: list  # explicit edits, token directives in `prompt`'s coordinates
     use_tools: bool
     applied_edits: list[dict] | None  # context_management's report (None: not asked)
+    messages: list[dict]  # the history the model runs, every edit applied
 
     @property
     def final(self) -> list[int]:
@@ -76,7 +77,7 @@ def render(req: ChatCompletionRequest, key: str | None, tok, sessions) -> Turn:
         target = sessions.substitute(key, edited, final)
         ds = token_directives(prompt, target, mds, Mode[req.options.mode.upper()])
     use_tools = bool(req.tools) and req.tool_choice != "none"
-    return Turn(prompt.tokens, ds, use_tools, applied)
+    return Turn(prompt.tokens, ds, use_tools, applied, edited)
 
 
 class ChatReply(Reply):

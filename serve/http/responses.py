@@ -9,8 +9,10 @@ Input: a string (one user message) or items: messages (`role`, content a string 
 
 A stored response (`store`, the default) is a conversation: `previous_response_id` continues
 it (the caller's tenant's only; another's is not found), and its session is the conversation's,
-so a continued chain is an extension of its KV, spliced when the caller edits. The store is in
-memory, bounded (`MAX_STORED`, the oldest dropped first), and gone at a restart.
+so a continued chain is an extension of its KV, spliced when the caller edits. What is stored
+is the conversation as the model ran it, every edit applied (a FORGET's evicted text is not
+kept). The store is in memory, bounded per tenant (`MAX_STORED`, the oldest dropped first), and
+gone at a restart. A reply the budget cut is "incomplete"; errors name the Responses fields.
 """
 
 from __future__ import annotations
@@ -24,7 +26,13 @@ from fastapi import Request
 from serve.http import formats
 from serve.http.chat_completions import ChatReply, render
 from serve.http.errors import APIError
-from serve.http.responses_input import ResponsesRequest, Stored, chat_request, messages_of
+from serve.http.responses_input import (
+    ResponsesRequest,
+    Stored,
+    chat_request,
+    messages_of,
+    renamed,
+)
 from serve.http.text import OutputText, tool_markers
 from serve.http.turn import Outcome, SessionHeader, Turns, data, usage
 
@@ -33,7 +41,7 @@ class ResponsesReply(ChatReply):
     """A turn's answer as a `response` object, or its events (`response.created` ...
     `response.completed`, each with its `sequence_number`)."""
 
-    prefix = "resp"
+    prefix, field = "resp", "input"
 
     def __init__(self, rreq, req, caller, turn, text, backend, store_as):
         super().__init__(req, caller, turn, text, backend)
@@ -47,6 +55,7 @@ class ResponsesReply(ChatReply):
         return {"event": kind, **data({"type": kind, "sequence_number": self.seq - 1, **fields})}
 
     def _response(self, status: str, output: list, use: dict | None) -> dict:
+        cut = {"reason": "max_output_tokens"} if status == "incomplete" else None
         return {
             "id": self.rid,
             "object": "response",
@@ -56,7 +65,7 @@ class ResponsesReply(ChatReply):
             "output": output,
             "usage": use,
             "error": None,
-            "incomplete_details": None,
+            "incomplete_details": cut,
             "instructions": self.rreq.instructions,
             "metadata": {},
             "parallel_tool_calls": self.rreq.parallel_tool_calls is not False,
@@ -76,14 +85,16 @@ class ResponsesReply(ChatReply):
             "id": self.mid,
             "status": status,
             "role": "assistant",
-            "content": [part] if status == "completed" else [],
+            "content": [part] if status != "in_progress" else [],
         }
 
     def _done(self, out: Outcome, streamed: bool = False) -> tuple[dict, list, list]:
-        """(the response, its output items, its message's parts), the conversation stored."""
+        """(the response, its output items, its calls), the conversation stored. A reply the
+        budget cut is "incomplete" (`incomplete_details.reason` "max_output_tokens")."""
         content, calls, extra = self._finish(out)
+        status = "completed" if self.finish_reason(out.output) == "stop" else "incomplete"
         # a stream announced its message item first: it stays, empty, beside the calls
-        items = [self._message(content)] if content or not calls or streamed else []
+        items = [self._message(content, status)] if content or not calls or streamed else []
         for c in calls:
             items.append(
                 {
@@ -108,9 +119,13 @@ class ResponsesReply(ChatReply):
             said = {"role": "assistant", "content": content or ""}
             if calls:
                 said["tool_calls"] = calls
-            tenant, session, messages = self.store_as
-            self.backend.responses.put(self.rid, Stored(tenant, session, [*messages, said]))
-        return self._response("completed", items, use) | extra, items, calls
+            tenant, session, system = self.store_as
+            history = self.turn.messages  # edited: what a FORGET evicted is not stored
+            if system and history[:1] == system:
+                history = history[1:]
+            stored = Stored(tenant, session, [*history, said])
+            self.backend.responses.put(self.rid, stored)
+        return self._response(status, items, use) | extra, items, calls
 
     def body(self, out: Outcome) -> dict:
         self.text.update(out.output, final=True)
@@ -148,7 +163,8 @@ class ResponsesReply(ChatReply):
         if tail:
             events.append(self.delta(tail))
         resp, items, calls = self._done(out, streamed=True)
-        text = items[0]["content"][0]["text"] if items and items[0]["type"] == "message" else ""
+        message = items[0] if items and items[0]["type"] == "message" else self._message("")
+        text = message["content"][0]["text"]
         at = dict(item_id=self.mid, output_index=0, content_index=0)
         events += [
             self._event("response.output_text.done", text=text, **at),
@@ -157,7 +173,7 @@ class ResponsesReply(ChatReply):
                 part={"type": "output_text", "text": text, "annotations": []},
                 **at,
             ),
-            self._event("response.output_item.done", output_index=0, item=self._message(text)),
+            self._event("response.output_item.done", output_index=0, item=message),
         ]
         for i, item in enumerate(it for it in items if it["type"] == "function_call"):
             k = i + 1
@@ -165,7 +181,7 @@ class ResponsesReply(ChatReply):
                 self._event("response.output_item.added", output_index=k, item=item),
                 self._event("response.output_item.done", output_index=k, item=item),
             ]
-        events.append(self._event("response.completed", response=resp))
+        events.append(self._event(f"response.{resp['status']}", response=resp))
         return events
 
 
@@ -194,18 +210,15 @@ def add_route(app, turns: Turns) -> None:
         req = chat_request(rreq, system + said, session)
         caller = turns.session(req, None, request)
         tok = backend.tokenizer
-        turn = await asyncio.to_thread(render, req, caller.key, tok, backend.sessions)
         try:
+            turn = await asyncio.to_thread(render, req, caller.key, tok, backend.sessions)
             grammar = await asyncio.to_thread(formats.grammar, req, backend)
-        except APIError as e:  # named as the Responses API names the field
-            if e.param and e.param.startswith("response_format"):
-                e.param = e.param.replace("response_format", "text.format")
-                e.message = e.message.replace("response_format", "text.format")
-            raise
-        sampling = turns.sampling(req, len(turn.final), *req.max_new, grammar=grammar)
+            sampling = turns.sampling(req, len(turn.final), *req.max_new, grammar=grammar)
+        except APIError as e:
+            raise renamed(e) from None
         job = turns.start(turn.prompt, sampling, req, caller, turn.directives)
         markers = tool_markers(tok) if turn.use_tools else ()
         text = OutputText(tok, tok.stop_tokens, req.stops, markers)
-        store_as = (tenant, session, said) if rreq.store else None
+        store_as = (tenant, session, system) if rreq.store else None
         reply = ResponsesReply(rreq, req, caller, turn, text, backend, store_as)
         return await turns.respond(job, request, reply)

@@ -15,7 +15,7 @@ from serve.http.errors import APIError, validation_param
 from serve.http.extensions import SESSION_ID, LeylineOptions
 from serve.http.schema import ChatCompletionRequest, _Open
 
-MAX_STORED = 10_000
+MAX_STORED = 10_000  # per tenant
 
 
 class TextOptions(_Open):
@@ -48,23 +48,27 @@ class Stored:
 
 
 class Store:
+    """Stored responses, `limit` per tenant (the oldest dropped first): one tenant's traffic
+    never evicts another's."""
+
     def __init__(self, limit: int = MAX_STORED):
-        self.items: collections.OrderedDict[str, Stored] = collections.OrderedDict()
+        self.tenants: dict[str, collections.OrderedDict[str, Stored]] = {}
         self.limit, self.lock = limit, threading.Lock()
 
     def get(self, tenant: str, rid: str) -> Stored:
         with self.lock:
-            s = self.items.get(rid)
-        if s is None or s.tenant != tenant:
+            s = self.tenants.get(tenant, {}).get(rid)
+        if s is None:
             why = f"no response {rid!r}"
             raise APIError(404, why, "previous_response_id", "not_found_error", "not_found")
         return s
 
     def put(self, rid: str, item: Stored) -> None:
         with self.lock:
-            self.items[rid] = item
-            while len(self.items) > self.limit:
-                self.items.popitem(last=False)
+            items = self.tenants.setdefault(item.tenant, collections.OrderedDict())
+            items[rid] = item
+            while len(items) > self.limit:
+                items.popitem(last=False)
 
 
 def _text(content, param: str) -> str:
@@ -142,13 +146,30 @@ def chat_request(req: ResponsesRequest, messages: list[dict], session: str | Non
         if getattr(req, src) is not None:
             body[dst] = getattr(req, src)
     if req.leyline is not None:
-        body["leyline"] = req.leyline.model_dump(mode="json")
+        body["leyline"] = req.leyline  # validated already
     body["session_id"] = session
     try:
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as e:
         param = validation_param(e.errors()[0]["loc"])
-        param = {"messages": "input", "max_tokens": "max_output_tokens"}.get(
-            param.split(".")[0], param.replace("response_format", "text.format")
-        )
-        raise APIError(400, f"{param}: {e.errors()[0]['msg']}", param) from e
+        raise renamed(APIError(400, f"{param}: {e.errors()[0]['msg']}", param)) from e
+
+
+_NAMES = {  # a chat field: the Responses field it came from
+    "messages": "input",
+    "max_tokens": "max_output_tokens",
+    "response_format.json_schema": "text.format",
+    "response_format": "text.format",
+}
+
+
+def renamed(e: APIError) -> APIError:
+    """`e` naming the Responses field where the chat request it was raised for names its own
+    (a message's index is the conversation's: the field named is `input`, whole)."""
+    for chat_name, name in _NAMES.items():
+        if e.param == chat_name or (e.param or "").startswith(chat_name + "."):
+            tail = e.param[len(chat_name) :] if name != "input" else ""
+            e.message = e.message.replace(e.param, name + tail).replace(chat_name, name)
+            e.param = name + tail
+            break
+    return e

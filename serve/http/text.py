@@ -67,7 +67,8 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
     `<｜tool▁calls▁begin｜>` ... (end optional: a reply cut by its budget), and the Hermes
     `<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks of the ChatML layout.
     Content is the text before the first call; a reply whose calls do not parse is all
-    content, with no calls."""
+    content, with no calls, except a last Hermes block the budget cut (no closing tag) after
+    complete ones: it is dropped and the complete calls kept (the finish reason says "length")."""
     calls: list[dict] = []
     if chat.CALLS_BEGIN in text:
         content, rest = text.split(chat.CALLS_BEGIN, 1)
@@ -88,12 +89,14 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
         return (content, calls) if calls else (text, [])
     if HERMES_BEGIN in text:
         content = text.split(HERMES_BEGIN, 1)[0]
-        for body in re.findall(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", text, re.S):
+        blocks = re.findall(r"<tool_call>\s*(.*?)\s*(</tool_call>|$)", text, re.S)
+        for body, closed in blocks:
             try:
                 obj = json.loads(body)
                 calls.append(_call(obj["name"], obj.get("arguments", {})))
             except (ValueError, KeyError, TypeError, AttributeError):
-                return text, []
+                if closed or not calls:
+                    return text, []
         return (content, calls) if calls else (text, [])
     return text, []
 
