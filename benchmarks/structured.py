@@ -7,7 +7,8 @@ grammar mask costs a decode step.
   jsonschema_rs (an independent validator), finish reasons counted.
 - `tool_choice`: the same number each of `required` (with `parallel_tool_calls` false, and
   default), a named function, and `none`: how many replies carry a call, of the named function,
-  with arguments valid against the tool's parameters.
+  with arguments valid against the tool's parameters; the calls made and the finish reasons
+  (a reply the budget cut keeps its complete calls).
 - Mask cost: a decode step of 8 rows (each 64 prompt tokens in) on an engine of the same
   model, unconstrained against every row constrained by `json_object` (the mask filled on the
   host while the forward runs, uploaded, applied in `sample`), medians over `--steps` steps;
@@ -111,17 +112,19 @@ def tool_arm(client, n: int, choice, parallel) -> dict:
         calls = r.choices[0].message.tool_calls or []
         params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
         ok = all(_valid(params[c.function.name], c.function.arguments) for c in calls)
-        return bool(calls), [c.function.name for c in calls], ok
+        return bool(calls), [c.function.name for c in calls], ok, r.choices[0].finish_reason
 
     with cf.ThreadPoolExecutor(8) as ex:
         res = list(ex.map(one, range(n)))
     named = choice["function"]["name"] if isinstance(choice, dict) else None
+    finishes = [f for *_, f in res]
     return {
         "requests": n,
-        "with_a_call": sum(c for c, _, _ in res),
-        "only_the_named": None if named is None else sum(ns == [named] for _, ns, _ in res),
-        "arguments_valid": sum(c and ok for c, _, ok in res),
-    }
+        "with_a_call": sum(c for c, *_ in res),
+        "only_the_named": None if named is None else sum(ns == [named] for _, ns, *_ in res),
+        "arguments_valid": sum(c and ok for c, _, ok, _ in res),
+        "calls": sum(len(ns) for _, ns, *_ in res),  # a budget-cut last call is not counted
+    } | {f"finish_{f}": finishes.count(f) for f in sorted(set(finishes))}
 
 
 def mask_cost(engine: Engine, grammars, replies: list[list[int]], steps: int) -> dict:

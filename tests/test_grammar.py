@@ -215,6 +215,22 @@ def test_tool_choice_over_http(smollm2_server, choice):
         assert [c.function.name for c in calls] == ["add"]
 
 
+def test_a_budget_cut_keeps_the_complete_calls(smollm2_server):
+    """Parallel calls allowed, greedy SmolLM2 repeats its call until the budget cuts one: the
+    complete calls are the reply's, its finish reason "length"."""
+    client = openai.OpenAI(base_url=smollm2_server.url + "/v1", api_key="none", max_retries=0)
+    r = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=TOOLS, tool_choice="required", max_tokens=50, temperature=0,
+    )  # fmt: skip
+    calls = r.choices[0].message.tool_calls or []
+    assert r.choices[0].finish_reason == "length" and calls, r.choices[0].message
+    assert not r.choices[0].message.content
+    for c in calls:
+        tool = next(t for t in TOOLS if t["function"]["name"] == c.function.name)
+        jsonschema_rs.validate(tool["function"]["parameters"], json.loads(c.function.arguments))
+
+
 def test_a_tool_schema_with_local_refs(layout):
     from serve import chat
     from serve.http import formats

@@ -89,6 +89,12 @@ class ChatReply(Reply):
         super().__init__(req, caller, text, backend.model_name)
         self.turn, self.backend = turn, backend
 
+    def finish_reason(self, output: list[int], calls=()) -> str:
+        """ "tool_calls" for a reply that made calls and ended; "length" when the budget cut it
+        (its complete calls kept, as `parse_tool_calls` reads them)."""
+        fin = super().finish_reason(output)
+        return "tool_calls" if calls and fin == "stop" else fin
+
     def _chunk(self, delta, finish=None, usage_=None, choices=True) -> dict:
         c = dict(self.head)
         one = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
@@ -130,7 +136,7 @@ class ChatReply(Reply):
             )
         elif self.turn.use_tools and len(text.text) > text.sent:  # held back at a marker,
             events.append(self._chunk({"content": text.text[text.sent :]}))  # but no call
-        fin = "tool_calls" if calls else self.finish_reason(out.output)
+        fin = self.finish_reason(out.output, calls)
         use = usage(out.stats, len(out.output))
         opts = self.req.stream_options
         events.append(self._chunk({}, fin))
@@ -145,7 +151,7 @@ class ChatReply(Reply):
         message = {"role": "assistant", "content": content or (None if calls else "")}
         if calls:
             message["tool_calls"] = calls
-        fin = "tool_calls" if calls else self.finish_reason(out.output)
+        fin = self.finish_reason(out.output, calls)
         choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": fin}
         body = dict(self.head, object="chat.completion", choices=[choice])
         body["usage"] = usage(out.stats, len(out.output))
