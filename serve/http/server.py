@@ -22,7 +22,7 @@ import socket
 import threading
 import time
 
-from serve import compile_cache
+from serve import compile_cache, multihost
 from serve.engine import EngineConfig
 from serve.http.app import build_app, save_at_shutdown
 from serve.http.auth import Tenants
@@ -142,6 +142,10 @@ def parser() -> argparse.ArgumentParser:
         "--list-shapes", action="store_true", help="print the shapes --warmup compiles and exit"
     )
     ap.add_argument("--mesh", default=None, help="a DATAxMODEL device mesh, e.g. 2x4")
+    group = ap.add_argument_group("multi-controller serving (serve.multihost): one per host")
+    group.add_argument("--num-processes", type=int, default=1, help="processes in the group")
+    group.add_argument("--process-id", type=int, default=0, help="0: the leader (HTTP)")
+    group.add_argument("--coordinator", help="HOST:PORT of process 0's coordination service")
     ap.add_argument(
         "--snapshot-dir",
         help="durable sessions: restore them from DIR at start, save them there on shutdown "
@@ -177,6 +181,13 @@ def main(argv=None) -> None:
     except (OSError, ValueError) as e:
         ap.error(str(e))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    group = args.num_processes > 1
+    if group:
+        if not args.coordinator or not 0 <= args.process_id < args.num_processes:
+            ap.error("--num-processes > 1 needs --coordinator and a --process-id below it")
+        if args.snapshot_dir:
+            ap.error("--snapshot-dir: snapshots are not taken by a multi-process group")
+        multihost.initialize(args.coordinator, args.num_processes, args.process_id)
     if tenants.single:
         log.warning("no --api-key: single-tenant (every client shares sessions and the cache)")
     compile_cache.enable(args.compile_cache)
@@ -186,7 +197,7 @@ def main(argv=None) -> None:
         root=args.root,
         name=args.served_model_name,
         max_queue=args.max_queue,
-        warmup=args.warmup,
+        warmup=args.warmup and not group,
         mesh=args.mesh,
         default_max_tokens=args.max_tokens,
         request_timeout_s=args.request_timeout,
@@ -203,6 +214,15 @@ def main(argv=None) -> None:
         names = backend.worker.engine.warmup_plan().names()
         print(f"{len(names)} shapes:", *names, sep="\n  ")
         return
+    if group:
+        engine = backend.worker.engine
+        if args.warmup:  # every process compiles the same programs, in the same order
+            log.info("warmup: %d shapes compiled", engine.warmup())
+        if args.process_id != 0:
+            log.info("process %d follows the leader", args.process_id)
+            multihost.follow(engine, backend.grammars)
+            return
+        backend.worker.engine = multihost.Lockstep(engine)
     if backend.worker.warming is not None:
         names = backend.worker.warming.names()
         log.info("warmup: %d shapes to compile: %s", len(names), "; ".join(names))
@@ -230,3 +250,5 @@ def main(argv=None) -> None:
     finally:
         backend.worker.stop()
         save_at_shutdown(backend)
+        if group:
+            backend.worker.engine.stop()  # the followers return

@@ -1,0 +1,125 @@
+"""Multi-controller serving (`serve.multihost`) on this machine: two processes of 4 simulated
+CPU devices each (JAX's distributed runtime, gloo collectives) run `tests/multihost_scenario.py`
+over one 2x4 mesh, and equal one process of 8 devices: every turn's tokens (greedy, sampled,
+after an AMORTIZE and a FORGET edit), the sessions' tokens, the engine's counters, and the KV
+pools to 1e-5 of their scale (the collectives sum in another order). The server as a group:
+it answers over HTTP, and a follower that dies ends it with an error, within seconds."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+HERE = Path(__file__).parent
+SCENARIO = str(HERE / "multihost_scenario.py")
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from checkpoints.tiny import ensure_default_checkpoints
+
+    return ensure_default_checkpoints(tmp_path_factory.mktemp("ckpt"))["deepseek_v3"]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return env | {"PYTHONPATH": str(HERE.parent), "JAX_PLATFORMS": "cpu"}
+
+
+def _group(ckpt, out, timeout=300):
+    coord = f"127.0.0.1:{_port()}"
+    procs = []
+    for pid in (0, 1):
+        cmd = [sys.executable, SCENARIO, "--processes", "2", "--process-id", str(pid),
+               "--coordinator", coord, "--ckpt", ckpt, "--out", out]  # fmt: skip
+        procs.append(subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))  # fmt: skip
+    outs = [p.communicate(timeout=timeout) for p in procs]
+    return [p.returncode for p in procs], outs
+
+
+def test_two_processes_equal_one(ckpt, tmp_path):
+    one, two = tmp_path / "one.npz", tmp_path / "two.npz"
+    run = subprocess.run(
+        [sys.executable, SCENARIO, "--ckpt", ckpt, "--out", str(one)],
+        env=_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    codes, outs = _group(ckpt, str(two))
+    assert codes == [0, 0], [e[-3000:] for _, e in outs]
+    assert json.loads(outs[1][0].strip().splitlines()[-1])["follower_steps"] > 10
+    a, b = np.load(one), np.load(two)
+    assert sorted(a.files) == sorted(b.files)
+    for k in a.files:
+        if k.startswith("pool"):  # collectives sum in another order: 1e-5 of the pool's scale
+            assert close(b[k], a[k]), k
+        else:
+            assert np.array_equal(a[k], b[k]), k
+    counters = json.loads(a["counters"].tobytes())
+    assert counters["spliced"] > 0 and counters["cancelled_turns"] == 2
+    assert int(b["compiled_again"]) == 0  # the second round: no program compiled
+    assert not close(np.roll(b["pool0"], 1, axis=0), a["pool0"])  # a page out of place: seen
+
+
+def close(x, y) -> bool:
+    return float(np.max(np.abs(x - y))) <= 1e-5 * float(np.max(np.abs(y)))
+
+
+def test_a_group_serves_http_and_ends_when_a_follower_dies(ckpt, tmp_path):
+    """`python -m serve.http --num-processes 2`: the leader answers a session's turns through
+    the official client (the second reusing the first's KV); the follower killed, the leader
+    ends within seconds, naming it."""
+    openai = pytest.importorskip("openai")
+    import urllib.request
+
+    port, coord = _port(), f"127.0.0.1:{_port()}"
+    env = _env() | {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    cmd = [sys.executable, "-m", "serve.http", "--model", str(Path(ckpt)), "--mesh", "2x4",
+           "--num-processes", "2", "--coordinator", coord, "--port", str(port)]  # fmt: skip
+    logs = [open(tmp_path / f"p{i}.log", "w+") for i in (0, 1)]
+    procs = [
+        subprocess.Popen([*cmd, "--process-id", str(i)], env=env, stdout=logs[i], stderr=logs[i])
+        for i in (0, 1)
+    ]
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(240):
+            try:
+                if urllib.request.urlopen(url + "/health", timeout=2).status == 200:
+                    break
+            except OSError:
+                time.sleep(0.5)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        model = client.models.list().data[0].id
+        kw = dict(model=model, max_tokens=6, temperature=0, extra_headers={"X-Session-Id": "g"})
+        history = [{"role": "user", "content": "Hello there, group."}]
+        r1 = client.chat.completions.create(messages=history, **kw)
+        history += [{"role": "assistant", "content": r1.choices[0].message.content},
+                    {"role": "user", "content": "And again."}]  # fmt: skip
+        r2 = client.chat.completions.create(messages=history, **kw)
+        assert r2.usage.model_extra["reused_tokens"] >= r1.usage.prompt_tokens
+        procs[1].kill()
+        t0 = time.monotonic()
+        code = procs[0].wait(timeout=60)
+        took = time.monotonic() - t0
+        logs[0].seek(0)
+        text = logs[0].read()
+        assert code != 0 and "stopped sending heartbeats" in text, text[-2000:]
+        assert took < 30, took  # the 10 s heartbeat, then the abort
+    finally:
+        for p in procs:
+            p.kill()
