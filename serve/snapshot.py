@@ -54,7 +54,7 @@ from leyline_jax import paged
 from leyline_jax.loader import CheckpointError
 from serve import forgotten
 from serve import snapshot_records as records
-from serve.engine import Engine
+from serve.engine import OWN_LINEAGE, Engine
 
 FORMAT = 3  # the layout above (1: without pins, lineages and trees; 2: without page_tokens)
 
@@ -137,9 +137,12 @@ def capture(
     return functools.partial(write_snapshot, root, arrays, meta)
 
 
-def restore(engine: Engine, root: str | os.PathLike) -> dict | None:
+def restore(engine: Engine, root: str | os.PathLike, *, merge: bool = False) -> dict | None:
     """Recreate the sessions of the snapshot under `root` in `engine`, a fresh engine (no
-    sessions; ValueError otherwise) of the same model and pool layout. Each session gets its
+    sessions; ValueError otherwise) of the same model and pool layout. `merge`: into an engine
+    serving sessions of its own (another replica's sessions moved here): each saved session
+    gets a new id (its own lineage renamed with it), the radix paths join the live trees, and
+    `extra["session_ids"]` maps each saved id to its new one. Each session gets its
     saved id, tokens, cached KV (the saved pages written bit-exact into freshly allocated ones
     and adopted by a sequence: `Engine.restore_session`) and lineage: its clean prefix and the
     saved radix paths enter the radix cache, spliced KV does not. Refcounts are exact
@@ -152,7 +155,7 @@ def restore(engine: Engine, root: str | os.PathLike) -> dict | None:
     (model family, config field, params, page_size, band shapes or dtypes), for a pool with
     too few free pages or sequence slots, or sessions longer than `max_seq_len`;
     CheckpointError for a damaged or malformed snapshot."""
-    if engine.sessions:
+    if engine.sessions and not merge:
         raise ValueError(
             f"restore needs a fresh engine; this one has {len(engine.sessions)} sessions"
         )
@@ -194,6 +197,7 @@ def restore(engine: Engine, root: str | os.PathLike) -> dict | None:
             f"session {long[0]['id']} holds {len(long[0]['tokens'])} tokens, more than this "
             f"engine's max_seq_len={st.max_seq_len}"
         )
+    ids = _renumber(engine, sessions, prefixes, trees) if merge else None
     pages = engine.pool.load_pages(moved, rotated)  # each page: one loader reference
     for p in prefixes:  # first: the tree maps each saved path to its saved pages
         take = engine.caches.restore_prefix
@@ -211,5 +215,22 @@ def restore(engine: Engine, root: str | os.PathLike) -> dict | None:
     engine.pool.release(pages)  # drop the loader's references
     extra = dict(meta.get("extra") or {})
     if cut:
-        extra["forgotten_sessions"] = sorted(set(cut))
+        extra["forgotten_sessions"] = sorted({ids[c] if ids else c for c in cut})
+    if ids is not None:
+        extra["session_ids"] = ids
     return extra
+
+
+def _renumber(engine: Engine, sessions, prefixes, trees) -> dict[int, int]:
+    """New ids for saved sessions joining a live engine (above every id it gave out), in the
+    records, with their own lineages renamed alike; {saved id: new id}."""
+    new = engine.reserve_session_ids(len(sessions))
+    ids = {r["id"]: n for r, n in zip(sessions, new, strict=True)}
+    own = {f"{OWN_LINEAGE}{a}": f"{OWN_LINEAGE}{b}" for a, b in ids.items()}
+    for r in sessions:
+        r["id"], r["lineage"] = ids[r["id"]], own.get(r["lineage"], r["lineage"])
+    for p in prefixes:
+        p["lineages"] = [own.get(x, x) for x in p["lineages"]]
+    for t in trees:
+        t["lineage"] = own.get(t["lineage"], t["lineage"])
+    return ids

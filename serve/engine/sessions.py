@@ -55,6 +55,9 @@ class SessionTable:
         self.sessions[sid] = s
         return sid
 
+    def reserve(self, n: int) -> list[int]:
+        return [next(self._ids) for _ in range(n)]
+
     def close(self, session: int) -> None:
         s = self.get(session)
         if s.busy:

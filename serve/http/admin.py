@@ -1,9 +1,11 @@
 """The routes around the turns: `GET /health`, `GET /metrics` (Prometheus text), `GET
 /v1/models` and `GET /v1/models/{id}`, `DELETE /v1/sessions/{id}` (close a session: 404
-unknown, 409 a turn in flight) and `POST /v1/snapshot` (save every session now, as at
-shutdown; 409 without `--snapshot-dir`; an admin key when the server has keys:
-`serve.http.auth`). A session is the caller's tenant's: another tenant's of the same name is
-not found."""
+unknown, 409 a turn in flight), `POST /v1/snapshot` (save every session now, as at
+shutdown; 409 without `--snapshot-dir`) and `POST /v1/sessions/import` (`snapshot_dir`:
+another server's snapshot, its sessions taken beside these, with their KV: a drained
+replica's sessions moved here; a name already here keeps its own); the last two need an admin
+key when the server has keys (`serve.http.auth`). A session is the caller's tenant's:
+another tenant's of the same name is not found."""
 
 from __future__ import annotations
 
@@ -12,11 +14,12 @@ import asyncio
 from fastapi import Path as PathParam
 from fastapi import Request
 from fastapi.responses import Response
+from pydantic import Field
 
 from serve.http.auth import scoped
-from serve.http.commands import Answer, Close, Snapshot
+from serve.http.commands import Answer, Close, Import, Snapshot
 from serve.http.errors import APIError, unavailable
-from serve.http.extensions import SESSION_ID
+from serve.http.extensions import SESSION_ID, _Closed
 from serve.http.worker import SessionBusy
 
 
@@ -34,6 +37,10 @@ async def engine_call(worker, make) -> object:
             return fut.result()
         if not worker.thread.is_alive():
             raise unavailable()
+
+
+class ImportBody(_Closed):
+    snapshot_dir: str = Field(min_length=1, max_length=4096)  # a snapshot another server took
 
 
 def add_routes(app, backend) -> None:
@@ -102,3 +109,12 @@ def add_routes(app, backend) -> None:
             raise APIError(500, f"the snapshot failed: {result}", None, "server_error")
         path, sessions = result
         return {"object": "snapshot", "path": str(path), "sessions": sessions}
+
+    @app.post("/v1/sessions/import")
+    async def import_sessions(body: ImportBody, request: Request):
+        backend.tenants.check_admin(request.headers.get("authorization"))
+        result = await engine_call(worker, lambda answer: Import(body.snapshot_dir, answer))
+        if isinstance(result, BaseException):
+            why = f"snapshot_dir: cannot import: {result}"
+            raise APIError(400, why, "snapshot_dir", code="import_failed")
+        return {"object": "session.import", "sessions": result}

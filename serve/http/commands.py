@@ -58,5 +58,11 @@ class Snapshot:
 
 
 @dataclasses.dataclass
+class Import:
+    root: str
+    answer: Answer  # how many HTTP sessions were taken, or the error
+
+
+@dataclasses.dataclass
 class Wake:
     pass

@@ -51,11 +51,14 @@ class ReplyMemory:
         """Everything remembered (a snapshot's part), oldest session first."""
         return {k: [(t, list(i)) for t, i in v] for k, v in self._by_session.items()}
 
-    def load(self, data: dict) -> None:
-        self._by_session = collections.OrderedDict(
+    def load(self, data: dict, names=None) -> None:
+        """Take an `export` back whole, or (`names`) add those sessions' replies alone."""
+        taken = collections.OrderedDict(
             (str(k), [(str(t), array.array("i", [int(x) for x in i])) for t, i in v])
             for k, v in data.items()
+            if names is None or str(k) in names
         )
+        self._by_session = taken if names is None else self._by_session | taken
 
     def substitute(self, session: str | None, messages: list[dict], rendered) -> chat.Rendered:
         """`rendered` with remembered replies' ids in their messages' content spans, and every

@@ -138,6 +138,30 @@ class HttpSessions:
                 "cleared": {k: sorted(v) for k, v in self.context.cleared.items()},
             }
 
+    def merge(self, extra: dict) -> tuple[dict[str, int], set[int]]:
+        """Take another server's snapshot `export` (restored with `serve.snapshot.restore`'s
+        merge: `extra["session_ids"]` maps its engine ids to this engine's) beside these
+        sessions: (the names taken and their engine sessions, the restored engine sessions no
+        name took: a name already here keeps its own session)."""
+        ids = {int(k): v for k, v in extra.get("session_ids", {}).items()}
+        cut = set(extra.get("forgotten_sessions", ()))
+        with self._lock:
+            taken = {
+                str(k): ids[int(v)]
+                for k, v in extra.get("http_sessions", {}).items()
+                if int(v) in ids and str(k) not in self._engine
+            }
+            now = time.monotonic()
+            for name, sid in taken.items():
+                self._engine[name], self._used[name] = sid, now
+                self._tenants[tenant_of(name)] += 1
+            keep = {n for n, sid in taken.items() if sid not in cut}
+            self.replies.load(extra.get("replies", {}), keep)
+            for k, v in extra.get("cleared", {}).items():
+                if str(k) in taken:
+                    self.context.cleared[str(k)] = set(v)
+        return taken, set(ids.values()) - set(taken.values())
+
     def load(self, extra: dict) -> dict[str, int]:
         """Take a snapshot's `export` back (without the replies of sessions a later FORGET
         cut: `serve.forgotten`); the names and their engine sessions."""

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from serve.engine import TurnCancelled
 from serve.http.auth import SaltChanged
-from serve.http.commands import Answer, Cancel, Close, Snapshot, Submit, Wake, call_soon
+from serve.http.commands import Answer, Cancel, Close, Import, Snapshot, Submit, Wake, call_soon
 from serve.http.metrics import Metrics
 from serve.http.sessions import HttpSessions, TooManySessions
 
@@ -193,9 +193,11 @@ class EngineWorker:
                     answer(self._close(name))
                 case Snapshot(root, answer):
                     self.snapshot(root, answer)
+                case Import(root, answer):
+                    answer(self._import(root))
         except Exception as e:
             log.exception("command %s failed", type(cmd).__name__)
-            if isinstance(cmd, (Close, Snapshot)):
+            if isinstance(cmd, (Close, Snapshot, Import)):
                 cmd.answer(e)
             elif isinstance(cmd, Submit):
                 self._end(cmd.job, ("error", e))
@@ -209,6 +211,22 @@ class EngineWorker:
         self.engine.close_session(sid)
         self.sessions.drop(name)
         return None
+
+    def _import(self, root):
+        """Another server's snapshot under `root` taken beside these sessions (a drained
+        replica's, moved here): how many named sessions came; the error if it cannot be."""
+        from serve import snapshot
+
+        try:
+            extra = snapshot.restore(self.engine, root, merge=True)
+        except (ValueError, OSError) as e:  # CheckpointError is a ValueError
+            return e
+        if extra is None:
+            return FileNotFoundError(f"no snapshot under {root}")
+        taken, unnamed = self.sessions.merge(extra)
+        for sid in unnamed:
+            self.engine.close_session(sid)
+        return len(taken)
 
     def _submit(self, job: Job) -> None:
         eng = self.engine
