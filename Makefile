@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: run serve test lint clean peer-env
+.PHONY: run serve cluster test lint clean peer-env
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,10 @@ run: $(STAMP)
 # the OpenAI-compatible server on the tiny default model: make serve ARGS="--model smollm2 --port 8000"
 serve: $(STAMP)
 	$(PY) -m serve.http $(ARGS)
+
+# replicas behind vLLM's router (serve.cluster): make cluster ARGS="--replicas 2 -- --model smollm2"
+cluster: $(STAMP)
+	$(PY) -m serve.cluster $(ARGS)
 
 # two workers (the machine's cores), each test file on one of them, in file order
 test: $(STAMP)

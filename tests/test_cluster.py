@@ -1,0 +1,107 @@
+"""Two replicas of the tiny model behind vLLM's router (`serve.cluster`: vllm-router, its
+`consistent_hash` policy), through the official `openai` client: every turn of a session
+lands on one replica (its second turn reuses the first's KV, which only that replica holds); a
+stream of sessionless requests (each with its `X-Request-Id`) is spread over both; draining a
+replica moves its sessions to the other, whose next turns reuse their KV (counted)."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import socket
+import subprocess
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+from serve import cluster  # noqa: E402
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    import jax.numpy as jnp
+
+    import leyline_jax as ll
+    from checkpoints.tiny import ensure_default_checkpoints
+    from serve import chat
+    from serve.engine import Engine
+    from serve.http import Backend, ServerThread
+
+    root = tmp_path_factory.mktemp("fleet")
+    path = ensure_default_checkpoints(root / "ckpt")["deepseek_v3"]
+    replicas = []
+    for name in ("a", "b"):
+        engine = Engine(ll.load_model(path), num_pages=256, page_size=16, max_seqs=8,
+                        kv_dtype=jnp.float32)  # fmt: skip
+        backend = Backend.for_engine(engine, chat.ChatTokenizer(), "tiny",
+                                     snapshot_dir=str(root / name))  # fmt: skip
+        replicas.append(ServerThread(backend).__enter__())
+    port = _port()
+    cmd = cluster.router_command(port, [r.url for r in replicas], metrics_port=_port())
+    router = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    cluster.wait_healthy(url, timeout=60)
+    yield url, replicas
+    router.terminate()
+    router.wait()
+    for r in replicas:
+        r.__exit__(None, None, None)
+
+
+def counters(replica):
+    return replica.backend.worker.engine.counters
+
+
+def turn(client, history, session=None, n=4):
+    import uuid
+
+    headers = {"X-Request-Id": uuid.uuid4().hex}
+    if session is not None:
+        headers["X-Session-Id"] = session
+    r = client.chat.completions.create(
+        model="tiny", messages=history, max_tokens=n, temperature=0, extra_headers=headers
+    )
+    history.append({"role": "assistant", "content": r.choices[0].message.content})
+    return r
+
+
+def test_sessions_stick_sessionless_spread_and_a_drain_moves_them(fleet):
+    url, (a, b) = fleet
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    chats = {f"s{i}": [{"role": "user", "content": f"Session {i}: my week."}] for i in range(6)}
+    for name, h in chats.items():
+        turn(client, h, name)
+    for name, h in chats.items():
+        h.append({"role": "user", "content": "Go on."})
+        r = turn(client, h, name)
+        assert r.usage.model_extra["reused_tokens"] >= 10, name  # where its KV is
+    where = {n: [r for r in (a, b) if n in r.backend.sessions.export()["http_sessions"]]
+             for n in chats}  # fmt: skip
+    assert all(len(v) == 1 for v in where.values()), where  # each session on one replica
+    assert {id(v[0]) for v in where.values()} == {id(a), id(b)}  # both serve sessions
+
+    before = [counters(r)["prefilled"] for r in (a, b)]
+    prompts = [[{"role": "user", "content": f"Sessionless question {i}, in detail."}]
+               for i in range(16)]  # fmt: skip
+    with cf.ThreadPoolExecutor(8) as ex:
+        list(ex.map(lambda h: turn(client, h, None, 24), prompts))
+    grew = [counters(r)["prefilled"] - x for r, x in zip((a, b), before, strict=True)]
+    assert all(g > 0 for g in grew), grew  # spread over both
+
+    moved = cluster.drain(url, a.url, b.url)
+    on_a = [n for n, v in where.items() if v[0] is a]
+    assert moved == {"saved": len(on_a), "moved": len(on_a)}, moved
+    for name in on_a:
+        h = chats[name]
+        h.append({"role": "user", "content": "And then?"})
+        reused = counters(b)["reused"]
+        r = turn(client, h, name)
+        assert r.usage.model_extra["reused_tokens"] >= 20, name  # its KV came along
+        assert counters(b)["reused"] - reused == r.usage.model_extra["reused_tokens"]
