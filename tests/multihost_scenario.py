@@ -4,7 +4,7 @@ of 8 CPU devices, in one process (`--processes 1`) or as this process's part of 
 The leader (or the lone process) runs a fixed scenario through the engine: greedy and sampled
 turns of two sessions, an AMORTIZE and a FORGET edit, a cancelled turn; a follower mirrors it.
 Process 0 writes the turns' tokens, the engine's counters, the sessions' tokens and the KV
-pools (gathered from every process) to `--out` (.npz)."""
+pools and a full forward's logits (gathered from every process) to `--out` (.npz)."""
 
 from __future__ import annotations
 
@@ -45,10 +45,14 @@ engine = Engine(
 
 
 def pools() -> dict:
+    """The KV pools and the full forward's logits of a fixed prompt, gathered from every
+    process (each takes part: collectives)."""
     leaves = jax.tree_util.tree_leaves(engine.state.pools)
+    leaves.append(engine.model(np.arange(1, 41) * 7 % 250))  # eager: each op on every process
     if args.processes > 1:
         leaves = [multihost_utils.process_allgather(x, tiled=True) for x in leaves]
-    return {f"pool{i}": np.asarray(x) for i, x in enumerate(leaves)}
+    out = {f"pool{i}": np.asarray(x) for i, x in enumerate(leaves[:-1])}
+    return out | {"logits": np.asarray(leaves[-1])}
 
 
 if args.processes > 1 and args.process_id != 0:
