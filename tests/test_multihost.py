@@ -1,9 +1,10 @@
 """Multi-controller serving (`serve.multihost`) on this machine: two processes of 4 simulated
 CPU devices each (JAX's distributed runtime, gloo collectives) run `tests/multihost_scenario.py`
 over one 2x4 mesh, and equal one process of 8 devices: every turn's tokens (greedy, sampled,
-after an AMORTIZE and a FORGET edit), the sessions' tokens, the engine's counters, the KV
-pools and a full forward's logits to 1e-5 of their scale (the collectives sum in another order). The server as a group:
-it answers over HTTP, and a follower that dies ends it with an error, within seconds."""
+after an AMORTIZE and a FORGET edit), the sessions' tokens, the engine's counters, the KV pools
+and a full forward's logits to 1e-5 of their scale (the collectives sum in another order). The
+server as a group: it answers over HTTP, and a follower that dies ends it with an error, within
+seconds."""
 
 from __future__ import annotations
 
