@@ -139,10 +139,9 @@ def capture(
 
 def restore(engine: Engine, root: str | os.PathLike, *, merge: bool = False) -> dict | None:
     """Recreate the sessions of the snapshot under `root` in `engine`, a fresh engine (no
-    sessions; ValueError otherwise) of the same model and pool layout. `merge`: into an engine
-    serving sessions of its own (another replica's sessions moved here): each saved session
-    gets a new id (its own lineage renamed with it), the radix paths join the live trees, and
-    `extra["session_ids"]` maps each saved id to its new one. Each session gets its
+    sessions; ValueError otherwise; `merge`: one serving its own, each saved session then gets
+    a new id, its own lineage renamed alike, `extra["session_ids"]` maps them) of the same
+    model and pool layout. Each session gets its
     saved id, tokens, cached KV (the saved pages written bit-exact into freshly allocated ones
     and adopted by a sequence: `Engine.restore_session`) and lineage: its clean prefix and the
     saved radix paths enter the radix cache, spliced KV does not. Refcounts are exact
@@ -216,15 +215,13 @@ def restore(engine: Engine, root: str | os.PathLike, *, merge: bool = False) -> 
     extra = dict(meta.get("extra") or {})
     if cut:
         extra["forgotten_sessions"] = sorted({ids[c] if ids else c for c in cut})
-    if ids is not None:
-        extra["session_ids"] = ids
-    return extra
+    return extra if ids is None else extra | {"session_ids": ids}
 
 
 def _renumber(engine: Engine, sessions, prefixes, trees) -> dict[int, int]:
     """New ids for saved sessions joining a live engine (above every id it gave out), in the
     records, with their own lineages renamed alike; {saved id: new id}."""
-    new = engine.reserve_session_ids(len(sessions))
+    new = engine.table.reserve(len(sessions))
     ids = {r["id"]: n for r, n in zip(sessions, new, strict=True)}
     own = {f"{OWN_LINEAGE}{a}": f"{OWN_LINEAGE}{b}" for a, b in ids.items()}
     for r in sessions:

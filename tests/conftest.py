@@ -68,13 +68,14 @@ LONGEST_FIRST = (
     "test_http.py",  # ~95 s (a server process too)
     "test_startup.py",  # ~75 s (SmolLM2 warmed up in a subprocess)
     "test_multidevice.py",  # ~70 s (its own 8-device process)
+    "test_multihost.py",  # ~75 s (process groups of the tiny model)
     "test_cli.py",  # ~65 s (subprocesses; SmolLM2)
     "test_snapshot.py",  # ~55 s
     "test_ragged_paged_attention.py",  # ~55 s
     "test_replay.py",  # ~55 s
     "test_hardening.py",  # ~45 s
     "test_grammar.py",  # ~70 s (a SmolLM2 server)
-    "test_agent_clients.py",  # ~40 s (a SmolLM2 server)
+    "test_agent_clients.py",  # ~65 s (a SmolLM2 server)
     "test_http_fuzz.py",  # ~40 s
     "test_device_suite.py",  # ~40 s (the device suite's smoke, subprocesses)
     "test_gguf.py",  # ~40 s

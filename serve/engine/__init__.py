@@ -169,12 +169,6 @@ class Engine:
             session, tokens, pages, cached, clean, pins, lineage, private, foreign, salt
         )
 
-    def reserve_session_ids(self, n: int) -> list[int]:
-        """`n` session ids no session has had nor will get from `open_session`: for sessions a
-        caller restores beside live ones (`restore_session`; `serve.snapshot.restore`'s
-        merge)."""
-        return self.table.reserve(n)
-
     def restore_prefix(self, tokens: Sequence[int], pages: Sequence[int]) -> int:
         """Offer the radix cache `tokens` (len(pages) whole pages) whose KV, as a fresh prefill
         of them gives it, is held in `pages` (pages in use: a snapshot's prefix cache); the

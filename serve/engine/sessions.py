@@ -56,6 +56,8 @@ class SessionTable:
         return sid
 
     def reserve(self, n: int) -> list[int]:
+        """`n` ids no session has had nor will get from `open`: for sessions restored beside
+        live ones (`serve.snapshot.restore`'s merge)."""
         return [next(self._ids) for _ in range(n)]
 
     def close(self, session: int) -> None:

@@ -138,6 +138,23 @@ class HttpSessions:
                 "cleared": {k: sorted(v) for k, v in self.context.cleared.items()},
             }
 
+    def take_snapshot(self, engine, root):
+        """Another server's snapshot under `root` taken into `engine` beside these sessions (a
+        drained replica's, moved here; on the engine's thread): how many named sessions came,
+        or the error when it cannot be (the engine then unchanged)."""
+        from serve import snapshot
+
+        try:
+            extra = snapshot.restore(engine, root, merge=True)
+        except (ValueError, OSError) as e:  # CheckpointError is a ValueError
+            return e
+        if extra is None:
+            return FileNotFoundError(f"no snapshot under {root}")
+        taken, unnamed = self.merge(extra)
+        for sid in unnamed:
+            engine.close_session(sid)
+        return len(taken)
+
     def merge(self, extra: dict) -> tuple[dict[str, int], set[int]]:
         """Take another server's snapshot `export` (restored with `serve.snapshot.restore`'s
         merge: `extra["session_ids"]` maps its engine ids to this engine's) beside these

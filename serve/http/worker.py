@@ -194,7 +194,7 @@ class EngineWorker:
                 case Snapshot(root, answer):
                     self.snapshot(root, answer)
                 case Import(root, answer):
-                    answer(self._import(root))
+                    answer(self.sessions.take_snapshot(self.engine, root))
         except Exception as e:
             log.exception("command %s failed", type(cmd).__name__)
             if isinstance(cmd, (Close, Snapshot, Import)):
@@ -211,22 +211,6 @@ class EngineWorker:
         self.engine.close_session(sid)
         self.sessions.drop(name)
         return None
-
-    def _import(self, root):
-        """Another server's snapshot under `root` taken beside these sessions (a drained
-        replica's, moved here): how many named sessions came; the error if it cannot be."""
-        from serve import snapshot
-
-        try:
-            extra = snapshot.restore(self.engine, root, merge=True)
-        except (ValueError, OSError) as e:  # CheckpointError is a ValueError
-            return e
-        if extra is None:
-            return FileNotFoundError(f"no snapshot under {root}")
-        taken, unnamed = self.sessions.merge(extra)
-        for sid in unnamed:
-            self.engine.close_session(sid)
-        return len(taken)
 
     def _submit(self, job: Job) -> None:
         eng = self.engine
