@@ -41,7 +41,10 @@ def router_command(
     exe = Path(sys.executable).parent / "vllm-router"  # this environment's, else PATH's
     exe = str(exe) if exe.exists() else (shutil.which("vllm-router") or "vllm-router")
     metrics = str(port + 1 if metrics_port is None else metrics_port)
+    # a turn is not idempotent: no retries (by default a 5xx is sent again, 5 times), and no
+    # circuit breaker (by default it moves a failing replica's sessions elsewhere for a while)
     return [exe, "--host", host, "--port", str(port), "--policy", POLICY,
+            "--disable-retries", "--disable-circuit-breaker",
             "--prometheus-host", host, "--prometheus-port", metrics,
             "--worker-urls", *workers]  # fmt: skip
 

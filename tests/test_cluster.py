@@ -103,5 +103,7 @@ def test_sessions_stick_sessionless_spread_and_a_drain_moves_them(fleet):
         h.append({"role": "user", "content": "And then?"})
         reused = counters(b)["reused"]
         r = turn(client, h, name)
-        assert r.usage.model_extra["reused_tokens"] >= 20, name  # its KV came along
+        # its KV came along: at least its first whole page, which B never computed (each
+        # session's first page differs from B's own sessions'); seen: 23 or 16 of 30 tokens
+        assert r.usage.model_extra["reused_tokens"] >= 16, name
         assert counters(b)["reused"] - reused == r.usage.model_extra["reused_tokens"]

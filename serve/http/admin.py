@@ -21,6 +21,7 @@ from serve.http.commands import Answer, Close, Import, Snapshot
 from serve.http.errors import APIError, unavailable
 from serve.http.extensions import SESSION_ID, _Closed
 from serve.http.worker import SessionBusy
+from serve.multihost import Lockstep
 
 
 async def engine_call(worker, make) -> object:
@@ -113,6 +114,9 @@ def add_routes(app, backend) -> None:
     @app.post("/v1/sessions/import")
     async def import_sessions(body: ImportBody, request: Request):
         backend.tenants.check_admin(request.headers.get("authorization"))
+        if isinstance(worker.engine, Lockstep):  # the followers' engines would not follow
+            why = "a multi-process group takes no snapshots"
+            raise APIError(409, why, "snapshot_dir", code="no_snapshot_dir")
         result = await engine_call(worker, lambda answer: Import(body.snapshot_dir, answer))
         if isinstance(result, BaseException):
             why = f"snapshot_dir: cannot import: {result}"
