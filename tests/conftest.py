@@ -140,6 +140,33 @@ def tiny_server(tmp_path_factory):
         yield srv
 
 
+@pytest.fixture(scope="module")
+def tiny_replicas(tmp_path_factory):
+    """Two live `serve.http` servers (a module's own) of the tiny default model, fp32 KV, each
+    with its own `--snapshot-dir`: replicas for moving sessions between servers."""
+    import contextlib
+
+    import jax.numpy as jnp
+
+    import leyline_jax as ll
+    from checkpoints.tiny import ensure_default_checkpoints
+    from serve import chat
+    from serve.engine import Engine
+    from serve.http import Backend, ServerThread
+
+    root = tmp_path_factory.mktemp("replicas")
+    path = ensure_default_checkpoints(root / "ckpt")["deepseek_v3"]
+    with contextlib.ExitStack() as stack:
+        servers = []
+        for name in ("a", "b"):
+            engine = Engine(ll.load_model(path), num_pages=256, page_size=16, max_seqs=8,
+                            kv_dtype=jnp.float32)  # fmt: skip
+            backend = Backend.for_engine(engine, chat.ChatTokenizer(), "tiny",
+                                         snapshot_dir=str(root / name))  # fmt: skip
+            servers.append(stack.enter_context(ServerThread(backend)))
+        yield servers
+
+
 @pytest.fixture(scope="session")
 def ckpt_root(tmp_path_factory):
     return tmp_path_factory.mktemp("tiny_checkpoints")

@@ -25,24 +25,8 @@ def _port() -> int:
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    import jax.numpy as jnp
-
-    import leyline_jax as ll
-    from checkpoints.tiny import ensure_default_checkpoints
-    from serve import chat
-    from serve.engine import Engine
-    from serve.http import Backend, ServerThread
-
-    root = tmp_path_factory.mktemp("fleet")
-    path = ensure_default_checkpoints(root / "ckpt")["deepseek_v3"]
-    replicas = []
-    for name in ("a", "b"):
-        engine = Engine(ll.load_model(path), num_pages=256, page_size=16, max_seqs=8,
-                        kv_dtype=jnp.float32)  # fmt: skip
-        backend = Backend.for_engine(engine, chat.ChatTokenizer(), "tiny",
-                                     snapshot_dir=str(root / name))  # fmt: skip
-        replicas.append(ServerThread(backend).__enter__())
+def fleet(tiny_replicas):
+    replicas = tiny_replicas
     port = _port()
     cmd = cluster.router_command(port, [r.url for r in replicas], metrics_port=_port())
     router = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -51,8 +35,6 @@ def fleet(tmp_path_factory):
     yield url, replicas
     router.terminate()
     router.wait()
-    for r in replicas:
-        r.__exit__(None, None, None)
 
 
 def counters(replica):

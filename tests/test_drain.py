@@ -16,30 +16,6 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
 
-@pytest.fixture(scope="module")
-def replicas(tmp_path_factory):
-    import jax.numpy as jnp
-
-    import leyline_jax as ll
-    from checkpoints.tiny import ensure_default_checkpoints
-    from serve import chat
-    from serve.engine import Engine
-    from serve.http import Backend, ServerThread
-
-    root = tmp_path_factory.mktemp("drain")
-    path = ensure_default_checkpoints(root / "ckpt")["deepseek_v3"]
-    servers = []
-    for name in ("a", "b"):
-        engine = Engine(ll.load_model(path), num_pages=256, page_size=16, max_seqs=8,
-                        kv_dtype=jnp.float32)  # fmt: skip
-        backend = Backend.for_engine(engine, chat.ChatTokenizer(), "tiny",
-                                     snapshot_dir=str(root / name))  # fmt: skip
-        servers.append(ServerThread(backend).__enter__())
-    yield servers
-    for s in servers:
-        s.__exit__(None, None, None)
-
-
 def post(url: str, body: dict) -> tuple[int, dict]:
     req = urllib.request.Request(url, json.dumps(body).encode(), method="POST")
     req.add_header("Content-Type", "application/json")
@@ -60,8 +36,8 @@ def turn(server, session: str, history: list, n: int = 4):
     return r
 
 
-def test_a_drained_replicas_sessions_continue_on_another(replicas):
-    a, b = replicas
+def test_a_drained_replicas_sessions_continue_on_another(tiny_replicas):
+    a, b = tiny_replicas
     moved = [{"role": "user", "content": "Plan a trip to the coast for the weekend."}]
     turn(a, "trip", moved)
     moved.append({"role": "user", "content": "Add a museum on Sunday."})
@@ -86,6 +62,6 @@ def test_a_drained_replicas_sessions_continue_on_another(replicas):
 
 
 @pytest.mark.parametrize("where", ["/nonexistent/snapshot", ""])
-def test_what_cannot_be_imported_is_named(replicas, where):
-    status, body = post(replicas[1].url + "/v1/sessions/import", {"snapshot_dir": where})
+def test_what_cannot_be_imported_is_named(tiny_replicas, where):
+    status, body = post(tiny_replicas[1].url + "/v1/sessions/import", {"snapshot_dir": where})
     assert status == 400 and body["error"]["param"] == "snapshot_dir", body
