@@ -11,7 +11,8 @@ grammar mask costs a decode step.
   (a reply the budget cut keeps its complete calls).
 - Mask cost: a decode step of 8 rows (each 64 prompt tokens in) on an engine of the same
   model, unconstrained against every row constrained by `json_object` (the mask filled on the
-  host while the forward runs, uploaded, applied in `sample`), medians over `--steps` steps;
+  host while the forward runs, uploaded, applied in `sample`; each row's close planned in
+  every step, `serve.grammar`), medians over `--steps` steps;
   and llguidance's fill of one row's mask, timed alone over the token ids the served
   `json_schema` replies were made of.
 
@@ -133,9 +134,11 @@ def mask_cost(engine: Engine, grammars, replies: list[list[int]], steps: int) ->
 
     def decode_steps(grammar) -> float:
         sids = [engine.open_session() for _ in range(8)]
+        # a budget the measured steps stay inside but near: the close is planned in each step
+        # (`serve.grammar.CLOSE_WITHIN`), no row is closed and ended by it
         reqs = [
             engine.submit(s, rng.integers(0, 49152, 64).tolist(),
-                          sampling=SamplingParams(steps + 8, grammar=grammar))
+                          sampling=SamplingParams(steps + 64, grammar=grammar))
             for s in sids
         ]  # fmt: skip
         while any(len(r.output) < 2 for r in reqs):

@@ -69,16 +69,17 @@ def mask_words(vocab: int) -> int:
     return (vocab + 31) // 32
 
 
-def grammar_masks(matchers, shape) -> jnp.ndarray | None:
+def grammar_masks(matchers, lefts, shape) -> jnp.ndarray | None:
     """`sample`'s mask for logits of `shape` [B, V]: all ones but for the rows whose matcher
-    (`serve.grammar.Matcher`, None: unconstrained) fills its own; None when no row has one. The
-    engine fills it on the host while the step's forward runs."""
+    (`serve.grammar.Matcher`, None: unconstrained) fills its own, with the tokens its turn may
+    still make (`lefts`); None when no row has one. The engine fills it on the host while the
+    step's forward runs."""
     if all(m is None for m in matchers):
         return None
     masks = np.full((shape[0], mask_words(shape[1])), -1, np.int32)
-    for i, m in enumerate(matchers):
+    for i, (m, left) in enumerate(zip(matchers, lefts, strict=True)):
         if m is not None:
-            m.fill(masks[i])
+            m.fill(masks[i], left)
     return jnp.asarray(masks)
 
 

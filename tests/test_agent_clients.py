@@ -2,9 +2,9 @@
 on its default model path (the Responses API) with a function tool, and LangChain's
 `with_structured_output` with a pydantic schema (both of its methods: `json_schema`, and
 `function_calling`, a named `tool_choice`), and litellm's `completion` with a required tool
-call. Each runs two turns of one session (the session header), and the engine's counters show
-the second turn reusing the first's KV; litellm's third turn edits the tool's output and is
-spliced: the edit channel holds through the client."""
+call. Each runs turns of one session (the session header), and the engine's counters show a
+later turn reusing the first's KV, and a turn whose history the agent edited (a tool's output
+cut short, a request reworded) spliced: the edit channel holds through each client."""
 
 from __future__ import annotations
 
@@ -60,12 +60,23 @@ def test_the_agents_sdk_calls_a_tool_through_responses(server):
         name="weather", instructions="Answer briefly.", tools=[get_weather],
         model=OpenAIResponsesModel(model="smollm2", openai_client=client), model_settings=settings,
     )  # fmt: skip
+    counters = server.backend.worker.engine.counters
     before = reused(server)
     result = Runner.run_sync(agent, "What is the weather in Paris?", max_turns=3)
     assert calls, [r.output for r in result.raw_responses]
     assert isinstance(result.final_output, str)
     # the second model call re-sent the history with the tool's output: its prefix reused
     assert reused(server) - before > 20
+    # the next run re-sends the history with the tool's output cut short: an edit, spliced
+    history = result.to_input_list()
+    outputs = [item for item in history if item.get("type") == "function_call_output"]
+    assert outputs
+    for item in outputs:
+        item["output"] = "rain"
+    history.append({"role": "user", "content": "And in Rome?"})
+    spliced, before = counters["spliced"], reused(server)
+    Runner.run_sync(agent, history, max_turns=3)
+    assert counters["spliced"] > spliced and reused(server) - before > 20
 
 
 class Person(BaseModel):
@@ -77,23 +88,32 @@ class Person(BaseModel):
 def test_langchain_structured_output(server, method):
     from langchain_openai import ChatOpenAI
 
-    llm = ChatOpenAI(
-        base_url=server.url + "/v1", api_key="none", model="smollm2", temperature=0,
-        max_tokens=150, max_retries=0, default_headers={"X-Session-Id": f"lc-{method}"},
-        # the edit channel through the client: the re-sent reply (compact JSON, not the
-        # tokens sampled) is an edit; FORGET re-prefills from it exactly (greedy SmolLM2 after
-        # an AMORTIZE splice of it ran to the budget inside the JSON)
-        extra_body={"leyline": {"mode": "forget"}},
-    )  # fmt: skip
-    structured = llm.with_structured_output(Person, method=method)
+    def structured(**kw):
+        llm = ChatOpenAI(
+            base_url=server.url + "/v1", api_key="none", model="smollm2", temperature=0,
+            max_tokens=150, max_retries=0, default_headers={"X-Session-Id": f"lc-{method}"},
+            **kw,
+        )  # fmt: skip
+        return llm.with_structured_output(Person, method=method)
+
+    counters = server.backend.worker.engine.counters
     history = [("user", "Invent a person.")]
     before = reused(server)
-    p = structured.invoke(history)
+    p = structured().invoke(history)
     assert isinstance(p, Person)
     history += [("assistant", p.model_dump_json()), ("user", "Another one.")]
-    q = structured.invoke(history)
+    # the re-sent reply (compact JSON, not the tokens sampled) is an edit at the session's end,
+    # re-prefilled (FORGET): greedy SmolLM2 after an AMORTIZE splice of it repeats itself inside
+    # the JSON until the budget closes it (then "length", which the client refuses to parse)
+    q = structured(extra_body={"leyline": {"mode": "forget"}}).invoke(history)
     assert isinstance(q, Person)
     assert reused(server) - before > 10  # the second turn extends the first's session
+    # the agent rewords its first request: an edit early in the history, the rest spliced
+    history[0] = ("user", "Invent a person, please.")
+    history += [("assistant", q.model_dump_json()), ("user", "One more.")]
+    spliced = counters["spliced"]
+    assert isinstance(structured().invoke(history), Person)
+    assert counters["spliced"] - spliced > 20
 
 
 def test_litellm_calls_a_tool_and_splices_an_edited_history(server):

@@ -23,7 +23,7 @@ class Allow:
     def __init__(self, tokens):
         self.tokens = list(tokens)
 
-    def fill(self, row):
+    def fill(self, row, left=None):
         row[:] = 0
         for t in self.tokens:
             row[t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
@@ -33,7 +33,8 @@ def test_the_mask_keeps_only_allowed_tokens():
     rng = np.random.default_rng(0)
     logits = rng.standard_normal((4, V)).astype(np.float32)
     allowed = [[3, 31, 32, 99], None, [64], list(range(0, V, 7))]
-    masks = grammar_masks([None if a is None else Allow(a) for a in allowed], logits.shape)
+    matchers = [None if a is None else Allow(a) for a in allowed]
+    masks = grammar_masks(matchers, [10] * 4, logits.shape)
     assert masks.shape == (4, mask_words(V)) and mask_words(V) == 4
     args = [jnp.zeros(4, jnp.float32), jnp.ones(4, jnp.float32), jnp.arange(4, dtype=jnp.uint32)]
     greedy = np.asarray(sample(jnp.asarray(logits), *args, jnp.zeros(4, jnp.int32), masks))
@@ -46,7 +47,7 @@ def test_the_mask_keeps_only_allowed_tokens():
     for step in range(20):
         drawn = np.asarray(sample(jnp.asarray(logits), *hot, jnp.full(4, step, jnp.int32), masks))
         assert all(a is None or drawn[r] in a for r, a in enumerate(allowed))
-    assert grammar_masks([None, None], (2, V)) is None
+    assert grammar_masks([None, None], [1, 1], (2, V)) is None
 
 
 # ---- end to end on SmolLM2 ----------------------------------------------------------------
@@ -108,6 +109,56 @@ def test_json_schema_replies_validate(smollm2_server, k, temperature):
     )  # fmt: skip
     assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
     jsonschema_rs.validate(SCHEMAS[k], json.loads(r.choices[0].message.content))
+
+
+def test_a_tight_budget_closes_the_json(smollm2_server):
+    """Greedy SmolLM2 writes SCHEMAS[0] in more than 50 tokens; held to 50, its reply closes
+    in time: cut ("length"), and valid against the schema."""
+    client = openai.OpenAI(base_url=smollm2_server.url + "/v1", api_key="none", max_retries=0)
+    fmt = {"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMAS[0]}}
+    ask = dict(model="smollm2", messages=[{"role": "user", "content": "Answer in JSON."}],
+               temperature=0.0, response_format=fmt)  # fmt: skip
+    free = client.chat.completions.create(max_tokens=160, **ask)
+    assert free.choices[0].finish_reason == "stop" and free.usage.completion_tokens > 50
+    r = client.chat.completions.create(max_tokens=50, **ask)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens <= 50
+    jsonschema_rs.validate(SCHEMAS[0], json.loads(r.choices[0].message.content))
+
+
+def _adversary(grammar, vocab, a, budget, tell_budget=True):
+    """Decode `grammar` under `budget` with a "model" that keeps extending a string (it takes
+    token `a` wherever allowed, else the lowest allowed token): its tokens, and whether the
+    matcher closed them."""
+    m, out = grammar.matcher(), []
+    row = np.zeros(mask_words(vocab), np.int32)
+    while len(out) < budget:
+        m.fill(row, budget - len(out) if tell_budget else None)
+        bits = np.unpackbits(row.view(np.uint8), bitorder="little")[:vocab]
+        t = a if bits[a] else int(np.flatnonzero(bits)[0])
+        assert m.accept(t)
+        out.append(t)
+        if m.closed:
+            break
+    return out, m.closed
+
+
+@pytest.mark.parametrize("budget", [60, 100, 200])
+def test_a_budget_closes_a_string_that_never_ends(budget):
+    from serve import chat
+    from serve.grammar import Grammars
+
+    tok = chat.ChatTokenizer.from_gguf()
+    grammars = Grammars(tok.tokenizer_json(), tok.vocab_size, tok.stop_tokens)
+    grammar = grammars.json_schema(SCHEMAS[0])
+    (a,) = tok.encode("a")
+    out, closed = _adversary(grammar, tok.vocab_size, a, budget)
+    assert closed and len(out) <= budget
+    jsonschema_rs.validate(SCHEMAS[0], json.loads(tok.decode(out)))
+    # the same turn not told its budget runs into it inside the string: text that does not parse
+    out, closed = _adversary(grammar, tok.vocab_size, a, budget, tell_budget=False)
+    assert not closed and len(out) == budget
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(tok.decode(out))
 
 
 def test_bad_formats_name_the_field(smollm2_server):

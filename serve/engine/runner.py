@@ -231,6 +231,7 @@ class Runner:
             col([len(r.output) for r in rows], np.int32),
             grammar_masks(
                 [rows[i].matcher if i in emitted else None for i in range(len(rows))],
+                [r.sampling.max_new_tokens - len(r.output) for r in rows],
                 logits.shape,
             ),
         )
@@ -247,7 +248,8 @@ class Runner:
             if r.stats.first_token_s is None:
                 r.stats.first_token(now)
             r.status = Status.DECODE
-            if t in r.sampling.stop_tokens or len(r.output) >= r.sampling.max_new_tokens:
+            closed = r.matcher is not None and r.matcher.closed  # the budget closed its grammar
+            if t in r.sampling.stop_tokens or len(r.output) >= r.sampling.max_new_tokens or closed:
                 self.finish(r, now)
 
     def finish(self, r: Request, now: float) -> None:
