@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import weakref
 from typing import Any
 
 import jax
@@ -60,10 +61,21 @@ def _bit_sums(leaves):  # list of arrays -> u32[len(leaves)]
     return jnp.stack([one(x) for x in leaves])
 
 
+_checksums: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its checksum
+
+
 def params_checksum(model) -> str:
     """A checksum of every param's name, shape, dtype and bits (position-weighted byte sums on
     the device, then sha256 on the host): tells another checkpoint or dtype from this one. Not
-    cryptographic; computed in integers, so it does not depend on the backend."""
+    cryptographic; computed in integers, so it does not depend on the backend. Computed once a
+    model (a served model's params do not change): over a mesh of several processes the sums
+    are a collective, which each process makes when it first asks (`serve.multihost`)."""
+    if model not in _checksums:
+        _checksums[model] = _checksum(model)
+    return _checksums[model]
+
+
+def _checksum(model) -> str:
     flat = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(model, nnx.Param)))[0]
     sums = _bit_sums([jnp.asarray(x) for _, x in flat])
     with jax.transfer_guard_device_to_host("allow"):

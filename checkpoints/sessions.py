@@ -123,8 +123,21 @@ def read_snapshot(
 
 
 # ---- the writer's steps (each one a function, so a test can interrupt any of them) -----------
+def _checkpointer() -> ocp.StandardCheckpointer:
+    """Orbax's checkpointer for this process alone: a snapshot is host arrays one process
+    writes or reads, in a multi-process group too (orbax would otherwise wait for every
+    process at its barriers)."""
+    import jax
+
+    me = jax.process_index()
+    alone = ocp.options.MultiprocessingOptions(
+        primary_host=me, active_processes={me}, barrier_sync_key_prefix=f"leyline-snapshot-{me}"
+    )
+    return ocp.StandardCheckpointer(multiprocessing_options=alone)
+
+
 def _write_arrays(path: Path, arrays: Mapping[str, np.ndarray]) -> None:
-    with ocp.StandardCheckpointer() as ckptr:
+    with _checkpointer() as ckptr:
         ckptr.save(path, dict(arrays))
         ckptr.wait_until_finished()
 
@@ -259,7 +272,7 @@ def _read(path: Path, max_bytes: int) -> tuple[dict[str, np.ndarray], dict]:
     got = {}
     if stored:
         try:
-            with ocp.StandardCheckpointer() as ckptr:
+            with _checkpointer() as ckptr:
                 got = ckptr.restore(path / ARRAYS_DIR, stored)
         except Exception as e:  # orbax and tensorstore raise many kinds: one error for all
             raise _damaged(path, f"its arrays cannot be read ({type(e).__name__}: {e})") from e

@@ -308,7 +308,9 @@ def read_pages(state: PagedKVState, ids) -> tuple[np.ndarray, np.ndarray]:
     layer's (moved [L, K, page_size, *moved_shape], rotated [L, K, page_size, *rotated_shape])
     in the storage dtypes, so a 16-bit band comes back as its raw bits (uint16) and
     `load_pages` puts it back bit-exact. The state is not donated; this reads the device (what
-    a snapshot of the pools needs), in blocks of `PAGE_BLOCK` pages, each bucketed."""
+    a snapshot of the pools needs), in blocks of `PAGE_BLOCK` pages, each bucketed. Pools
+    spread over several processes (`serve.multihost`) are gathered from every one: each
+    process calls this with the same ids at the same point (a collective)."""
     p = check_ids(ids, state.num_pages, "page id", allow_empty=True)
     shapes = [(a.shape[1:], a.dtype) for a in (state.pools.moved[0], state.pools.rotated[0])]
     parts: tuple[list, list] = ([], [])
@@ -317,18 +319,32 @@ def read_pages(state: PagedKVState, ids) -> tuple[np.ndarray, np.ndarray]:
         got = _read_pages(state.pools, kv.padded(block, bucket(len(block)), 0))
         with jax.transfer_guard_device_to_host("allow"):  # the read this function is for
             for part, band in zip(parts, got, strict=True):
-                part.append(np.asarray(band)[:, : len(block)])
+                part.append(_host(band)[:, : len(block)])
     return tuple(
         np.concatenate(part, axis=1) if part else np.zeros((state.num_layers, 0, *shape), dtype)
         for part, (shape, dtype) in zip(parts, shapes, strict=True)
     )
 
 
-def _pages_block(arr: np.ndarray, start: int, n: int, size: int) -> jax.Array:
-    """arr[:, start : start + n] ([L, K, ...] host pages) padded with zeros to `size` pages."""
+def _host(a: jax.Array) -> np.ndarray:
+    """`a` whole on the host, gathered from every process when its shards span several."""
+    if a.is_fully_addressable:
+        return np.asarray(a)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+
+
+def _pages_block(arr: np.ndarray, start: int, n: int, size: int, pool: jax.Array) -> jax.Array:
+    """arr[:, start : start + n] ([L, K, ...] host pages) padded with zeros to `size` pages; on
+    every device of `pool`'s mesh when that spans several processes (each passes the same
+    pages: it is replicated from each one's own copy)."""
     out = np.zeros((arr.shape[0], size, *arr.shape[2:]), arr.dtype)
     out[:, :n] = arr[:, start : start + n]
-    return jnp.asarray(out)
+    if pool.is_fully_addressable:
+        return jnp.asarray(out)
+    replicated = jax.sharding.NamedSharding(pool.sharding.mesh, jax.sharding.PartitionSpec())
+    return jax.make_array_from_callback(out.shape, replicated, lambda index: out[index])
 
 
 def load_pages(
@@ -365,8 +381,9 @@ def load_pages(
         b = bucket(n)
         dst = kv.padded(dst_pages[a : a + n], b, state.num_pages)
         pools = _write_pages(
-            pools, dst, _pages_block(moved, a, n, b), _pages_block(rotated, a, n, b)
-        )
+            pools, dst, _pages_block(moved, a, n, b, pools.moved[0]),
+            _pages_block(rotated, a, n, b, pools.rotated[0]),
+        )  # fmt: skip
     state = state.replace(pools=pools)
     return allocator.retain_pages(state, dst_pages), dst_pages.astype(np.int32)
 

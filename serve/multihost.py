@@ -11,6 +11,12 @@ failed on the leader fails the same way here: the engines stay equal), and steps
 host side is deterministic given its calls, and a step's sampled tokens are one replicated
 array: the engines never diverge.
 
+A snapshot reads the pools, spread over every process: `Lockstep.read_pages` broadcasts the
+record with the pages to read (no step follows it), and every process gathers them at once
+(`leyline_jax.paged.read_pages`); the leader writes the snapshot. At start every process
+restores the same snapshot (a directory each reads: shared storage), so the engines start
+equal.
+
 A process that dies ends the group: the runtime's heartbeats find it within `heartbeat_s`
 seconds and abort every other process with an error naming it (`follow` returns only on the
 leader's `stop()`). Records are pickled engine
@@ -26,7 +32,7 @@ import pickle
 
 import numpy as np
 
-_STOP = "stop"
+_STOP, _READ = "stop", "read_pages"
 _MIN_BYTES = 256
 
 
@@ -72,6 +78,14 @@ def _wire(sampling):
     return dataclasses.replace(sampling, grammar=None), sampling.grammar.text
 
 
+def _collectives_at_start(engine) -> None:
+    """What a snapshot computes over the whole mesh besides its pages, made once by every
+    process as the group starts (memoized): the params' checksum in its layout."""
+    from checkpoints.layout import params_checksum
+
+    params_checksum(engine.model)
+
+
 class Lockstep:
     """The leader's engine: reads pass through; `open_session`, `close_session`,
     `submit_prompt`, `submit`, `cancel`, pins and `reset_prefix_cache` are applied and
@@ -81,10 +95,17 @@ class Lockstep:
                  "reset_prefix_cache")  # fmt: skip
 
     def __init__(self, engine):
-        self.engine = engine
+        _collectives_at_start(engine)
+        object.__setattr__(self, "engine", engine)
         self._record: list[tuple] = []
         self._turns: dict[int, tuple[int, object]] = {}  # id(Request) -> (its number, it)
         self._made = 0  # turns made, as the followers count them
+
+    def __setattr__(self, name, value):  # the engine's settings (`on_forget`) are its own
+        if name.startswith("_"):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.engine, name, value)
 
     def __getattr__(self, name):
         attr = getattr(self.engine, name)
@@ -120,6 +141,13 @@ class Lockstep:
         self._record.append(("cancel", (number,), {"stop": stop}))
         return self.engine.cancel(request, stop=stop)
 
+    def read_pages(self, ids):
+        """`Engine.read_pages` on every process at once: the record so far and the ids are
+        broadcast (no step follows), then each process reads its part of the gather."""
+        record, self._record = self._record, []
+        _broadcast(pickle.dumps((_READ, list(ids), record)))
+        return self.engine.read_pages(ids)
+
     def step(self) -> None:
         record, self._record = self._record, []
         _broadcast(pickle.dumps(record))
@@ -136,13 +164,15 @@ def follow(engine, grammars=None) -> int:
     (turns with a grammar need it)."""
     from serve.grammar import Grammar
 
+    _collectives_at_start(engine)
     turns: dict = {}  # a turn's number -> it (unfinished ones: as the leader keeps them)
     made = steps = 0
     while True:
         record = pickle.loads(_broadcast(None))
         if record == _STOP:
             return steps
-        for call in record:
+        read = record[:2] if isinstance(record, tuple) else None  # (_READ, ids): no step
+        for call in record[2] if read else record:
             name, args, kw = call[:3]
             if name == "cancel":
                 if args[0] in turns:
@@ -166,6 +196,9 @@ def follow(engine, grammars=None) -> int:
                 getattr(engine, name)(*args, **kw)
             except Exception:
                 pass  # it failed on the leader too (its caller got the error)
+        if read:
+            engine.read_pages(read[1])
+            continue
         engine.step()
         steps += 1
         turns = {k: r for k, r in turns.items() if not r.finished}

@@ -50,7 +50,6 @@ from pathlib import Path
 
 from checkpoints.layout import differences, layout
 from checkpoints.sessions import read_snapshot, write_snapshot
-from leyline_jax import paged
 from leyline_jax.loader import CheckpointError
 from serve import forgotten
 from serve import snapshot_records as records
@@ -118,7 +117,7 @@ def capture(
             pins.append({"tokens": tokens, "count": count})
     for lineage, tree in caches.private.items():
         trees.append({"lineage": lineage, "paths": [path(*p) for p in tree.paths()]})
-    moved, rotated = paged.read_pages(st, list(index))  # in index order
+    moved, rotated = engine.read_pages(list(index))  # in index order
     try:
         held = records.page_tokens(bound, len(index), engine.page_size)
     except ValueError as e:

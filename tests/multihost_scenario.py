@@ -3,8 +3,10 @@ of 8 CPU devices, in one process (`--processes 1`) or as this process's part of 
 (`--processes 2 --process-id K --coordinator HOST:PORT`, 4 devices each, `serve.multihost`).
 The leader (or the lone process) runs a fixed scenario through the engine: greedy and sampled
 turns of two sessions, an AMORTIZE and a FORGET edit, a cancelled turn; a follower mirrors it.
-Process 0 writes the turns' tokens, the engine's counters, the sessions' tokens and the KV
-pools and a full forward's logits (gathered from every process) to `--out` (.npz)."""
+A session kept to the end is snapshotted into `--snapshots` (its pages gathered from every
+process), restored by every process into a fresh engine and continued. Process 0 writes the
+turns' tokens, the engine's counters, the sessions' tokens, the restored session's next turn
+and the KV pools and a full forward's logits (gathered from every process) to `--out` (.npz)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ ap.add_argument("--process-id", type=int, default=0)
 ap.add_argument("--coordinator", default="")
 ap.add_argument("--ckpt", required=True)
 ap.add_argument("--out", default="")
+ap.add_argument("--snapshots", required=True, help="a directory every process reads")
 args = ap.parse_args()
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={8 // args.processes}"
 
@@ -35,13 +38,19 @@ from jax.experimental import multihost_utils  # noqa: E402
 
 import leyline_jax as ll  # noqa: E402
 from leyline_jax.directives import Mode  # noqa: E402
+from serve import snapshot  # noqa: E402
 from serve.engine import Engine, SamplingParams  # noqa: E402
 
 grid = ll.MeshConfig.create(data=2, model=4)
-engine = Engine(
-    ll.load_model(args.ckpt, mesh=grid), num_pages=64, page_size=8, max_seqs=4,
-    max_seq_len=256, kv_dtype=jnp.float32, mesh=grid,
-)  # fmt: skip
+model = ll.load_model(args.ckpt, mesh=grid)
+
+
+def new_engine() -> Engine:
+    return Engine(model, num_pages=64, page_size=8, max_seqs=4, max_seq_len=256,
+                  kv_dtype=jnp.float32, mesh=grid)  # fmt: skip
+
+
+engine = new_engine()
 
 
 def pools() -> dict:
@@ -55,8 +64,24 @@ def pools() -> dict:
     return out | {"logits": np.asarray(leaves[-1])}
 
 
+def restored() -> dict:
+    """Every process: a fresh engine restores the leader's snapshot (once it is written) and
+    runs the next turn of its session, the same calls on each (no leader needed)."""
+    if args.processes > 1:
+        multihost_utils.sync_global_devices("snapshot written")
+    fresh = new_engine()
+    snapshot.restore(fresh, args.snapshots)
+    (sid,) = fresh.sessions
+    turn = fresh.submit(sid, [11, 12, 13], sampling=SamplingParams(5))
+    while not fresh.idle():
+        fresh.step()
+    reused = fresh.counters["reused"]
+    return {"restored_turn": np.array(turn.output, np.int64), "restored_reused": np.array(reused)}
+
+
 if args.processes > 1 and args.process_id != 0:
     steps = multihost.follow(engine)
+    restored()
     pools()  # the leader gathers the pools: every process takes part
     print(json.dumps({"follower_steps": steps}))
     sys.exit(0)
@@ -100,8 +125,14 @@ out = turns(0)
 before = compiles[0]
 out |= turns(1)  # the same shapes again: nothing compiles
 out["compiled_again"] = np.array(compiles[0] - before)
+d = eng.open_session()  # a session kept: snapshotted (pages gathered from every process)
+eng.submit_prompt(d, list(range(3, 40)), sampling=SamplingParams(4))
+while not eng.idle():
+    eng.step()
+snapshot.save(eng, args.snapshots)
 if args.processes > 1:
     eng.stop()
+out |= restored()
 counters = json.dumps(dict(engine.counters), sort_keys=True)
 out["counters"] = np.frombuffer(counters.encode(), np.uint8)
 out |= pools()

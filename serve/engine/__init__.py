@@ -76,6 +76,7 @@ class Engine:
 
     # the parts' state, as callers and tests read it
     model = property(lambda self: self.pool.model)
+    read_pages = property(lambda self: self.pool.read_pages)  # a collective in a group
     page_size = property(lambda self: self.config.page_size)
     sessions = property(lambda self: self.table.sessions)
     radix = property(lambda self: self.caches.radix)

@@ -71,6 +71,10 @@ class Pool:
         )
         return logits
 
+    def read_pages(self, ids) -> tuple[np.ndarray, np.ndarray]:
+        """Host copies of the pages `ids` (`paged.read_pages`; the state is not changed)."""
+        return paged.read_pages(self.state, ids)
+
     def load_pages(self, moved: np.ndarray, rotated: np.ndarray) -> np.ndarray:
         """Write saved pages into free ones (`paged.load_pages`); the pages, each holding one
         reference for the caller to `release`."""

@@ -24,7 +24,7 @@ import time
 
 from serve import compile_cache, multihost
 from serve.engine import EngineConfig
-from serve.http.app import build_app, save_at_shutdown
+from serve.http.app import build_app, restore_sessions, save_at_shutdown
 from serve.http.auth import Tenants
 from serve.http.backend import (
     DEFAULT_MAX_TOKENS,
@@ -149,7 +149,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--snapshot-dir",
         help="durable sessions: restore them from DIR at start, save them there on shutdown "
-        "(SIGTERM, SIGINT) and on POST /v1/snapshot",
+        "(SIGTERM, SIGINT) and on POST /v1/snapshot; in a group, every process's DIR holds "
+        "the leader's snapshots (shared storage)",
     )
     ap.add_argument(
         "--api-key",
@@ -185,8 +186,6 @@ def main(argv=None) -> None:
     if group:
         if not args.coordinator or not 0 <= args.process_id < args.num_processes:
             ap.error("--num-processes > 1 needs --coordinator and a --process-id below it")
-        if args.snapshot_dir:
-            ap.error("--snapshot-dir: snapshots are not taken by a multi-process group")
         multihost.initialize(args.coordinator, args.num_processes, args.process_id)
     if tenants.single:
         log.warning("no --api-key: single-tenant (every client shares sessions and the cache)")
@@ -219,6 +218,8 @@ def main(argv=None) -> None:
         if args.warmup:  # every process compiles the same programs, in the same order
             log.info("warmup: %d shapes compiled", engine.warmup())
         if args.process_id != 0:
+            if backend.snapshot_dir is not None:  # the leader's, restored as the leader does
+                restore_sessions(backend)
             log.info("process %d follows the leader", args.process_id)
             multihost.follow(engine, backend.grammars)
             return
