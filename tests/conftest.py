@@ -59,30 +59,32 @@ DECODERS = (*FAMILIES, "llama")  # one tiny model per family, both attention fam
 
 # `make test` runs two workers, a test file to each at a time (pytest-xdist, loadfile), handing
 # files out in collection order: the longest files first (seconds measured on this machine in a
-# two-worker run, 2026-12-04) so that the two workers finish together rather than one running
+# two-worker run, 2026-12-05) so that the two workers finish together rather than one running
 # the last long file alone. Order only: every test runs, each file's tests in their own order.
 LONGEST_FIRST = (
-    "test_directives.py",  # ~175 s
-    "test_paged.py",  # ~165 s
-    "test_engine.py",  # ~140 s
-    "test_http.py",  # ~95 s (a server process too)
-    "test_startup.py",  # ~75 s (SmolLM2 warmed up in a subprocess)
-    "test_multidevice.py",  # ~70 s (its own 8-device process)
-    "test_multihost.py",  # ~75 s (process groups of the tiny model)
-    "test_cli.py",  # ~65 s (subprocesses; SmolLM2)
-    "test_snapshot.py",  # ~55 s
-    "test_ragged_paged_attention.py",  # ~55 s
-    "test_replay.py",  # ~55 s
-    "test_hardening.py",  # ~45 s
-    "test_grammar.py",  # ~70 s (a SmolLM2 server)
-    "test_agent_clients.py",  # ~65 s (a SmolLM2 server)
-    "test_http_fuzz.py",  # ~40 s
-    "test_device_suite.py",  # ~40 s (the device suite's smoke, subprocesses)
+    "test_paged.py",  # ~140 s
+    "test_directives.py",  # ~135 s
+    "test_multihost.py",  # ~125 s (process groups of the tiny model)
+    "test_engine.py",  # ~125 s
+    "test_grammar.py",  # ~110 s (a SmolLM2 server)
+    "test_http_fuzz.py",  # ~100 s
+    "test_startup.py",  # ~100 s (SmolLM2 warmed up in a subprocess)
+    "test_agent_clients.py",  # ~80 s (a SmolLM2 server)
+    "test_http.py",  # ~80 s (a server process too)
+    "test_cli.py",  # ~50 s (subprocesses; SmolLM2)
+    "test_multidevice.py",  # ~50 s (its own 8-device process)
+    "test_replay.py",  # ~50 s
+    "test_snapshot.py",  # ~50 s
     "test_gguf.py",  # ~40 s
     "test_smollm2.py",  # ~35 s
-    "test_parity.py",  # ~35 s
-    "test_splice_rotate.py",  # ~25 s
-    "test_engine_verbs.py",  # ~25 s
+    "test_splice_rotate.py",  # ~35 s
+    "test_hardening.py",  # ~35 s
+    "test_device_suite.py",  # ~35 s (the device suite's smoke, subprocesses)
+    "test_forgotten.py",  # ~30 s
+    "test_ragged_paged_attention.py",  # ~30 s
+    "test_limits.py",  # ~25 s
+    "test_ragged_paged_attention_gpu.py",  # ~25 s
+    "test_loader_stream.py",  # ~25 s
 )
 
 
