@@ -29,6 +29,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.multihost_utils import process_allgather
 
 from leyline_jax import allocator
 from leyline_jax import kv_state as kv
@@ -328,17 +329,12 @@ def read_pages(state: PagedKVState, ids) -> tuple[np.ndarray, np.ndarray]:
 
 def _host(a: jax.Array) -> np.ndarray:
     """`a` whole on the host, gathered from every process when its shards span several."""
-    if a.is_fully_addressable:
-        return np.asarray(a)
-    from jax.experimental import multihost_utils
-
-    return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+    return np.asarray(a if a.is_fully_addressable else process_allgather(a, tiled=True))
 
 
 def _pages_block(arr: np.ndarray, start: int, n: int, size: int, pool: jax.Array) -> jax.Array:
-    """arr[:, start : start + n] ([L, K, ...] host pages) padded with zeros to `size` pages; on
-    every device of `pool`'s mesh when that spans several processes (each passes the same
-    pages: it is replicated from each one's own copy)."""
+    """arr[:, start : start + n] ([L, K, ...] host pages) padded with zeros to `size` pages;
+    replicated over `pool`'s mesh from each process's own (equal) copy when it spans several."""
     out = np.zeros((arr.shape[0], size, *arr.shape[2:]), arr.dtype)
     out[:, :n] = arr[:, start : start + n]
     if pool.is_fully_addressable:
@@ -359,10 +355,8 @@ def load_pages(
     Donates `state`."""
     moved, rotated = np.asarray(moved), np.asarray(rotated)
     k = moved.shape[1] if moved.ndim > 1 else -1
-    for name, arr, pool in (
-        ("moved", moved, state.pools.moved),
-        ("rotated", rotated, state.pools.rotated),
-    ):
+    bands = (("moved", moved, state.pools.moved), ("rotated", rotated, state.pools.rotated))
+    for name, arr, pool in bands:
         want = (state.num_layers, k, *pool[0].shape[1:])
         if arr.shape != want or arr.dtype != pool[0].dtype:
             raise ValueError(
@@ -380,10 +374,8 @@ def load_pages(
         n = min(PAGE_BLOCK, k - a)
         b = bucket(n)
         dst = kv.padded(dst_pages[a : a + n], b, state.num_pages)
-        pools = _write_pages(
-            pools, dst, _pages_block(moved, a, n, b, pools.moved[0]),
-            _pages_block(rotated, a, n, b, pools.rotated[0]),
-        )  # fmt: skip
+        blocks = [_pages_block(arr, a, n, b, pool[0]) for _, arr, pool in bands]
+        pools = _write_pages(pools, dst, *blocks)
     state = state.replace(pools=pools)
     return allocator.retain_pages(state, dst_pages), dst_pages.astype(np.int32)
 

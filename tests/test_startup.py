@@ -1,5 +1,6 @@
 """Startup's memory: the server's engine for SmolLM2 with the default pools, warmed up, in a
-process of its own (what `python -m serve.http --model smollm2 --warmup` holds once ready)."""
+process of its own (what `python -m serve.http --model smollm2 --warmup` holds once ready); the
+weights in the dtype `--dtype` asks for."""
 
 from __future__ import annotations
 
@@ -54,3 +55,28 @@ def test_smollm2_after_warmup_fits_its_memory_bound(tmp_path):
     big = _measure(8192, warmup=False, cache=tmp_path)
     assert big["peak"] > 2.5e9, big
     assert big["peak"] <= big["params"] + big["pools"] + OVERHEAD, big
+
+
+def test_the_server_loads_its_weights_in_the_dtype_asked(tmp_path):
+    """`--dtype bf16` (`load_backend(dtype=...)`): every param in bfloat16 but the MoE router's
+    (kept in float32 by the loader, for routing), half the bytes of the default fp32; a name it
+    does not know is refused."""
+    import jax
+    from flax import nnx
+
+    from serve.http.backend import load_backend
+
+    def params(dtype) -> dict:
+        model = load_backend("tiny", root=str(tmp_path), dtype=dtype).worker.engine.model
+        flat = jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]
+        return {jax.tree_util.keystr(k): x for k, x in flat}
+
+    half, full = params("bf16"), params("fp32")
+    assert {str(x.dtype) for x in full.values()} == {"float32"}
+    router = {k for k in half if "'router'" in k}
+    assert router and {str(half[k].dtype) for k in router} == {"float32"}
+    rest = set(half) - router
+    assert {str(half[k].dtype) for k in rest} == {"bfloat16"}
+    assert 2 * sum(half[k].nbytes for k in rest) == sum(full[k].nbytes for k in rest)
+    with pytest.raises(ValueError, match="dtype='fp16'"):
+        load_backend("tiny", root=str(tmp_path), dtype="fp16")

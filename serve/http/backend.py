@@ -107,14 +107,20 @@ def load_backend(
     max_queue: int = 64,
     warmup: bool = False,
     mesh: str | None = None,
+    dtype: str = "fp32",
     **kw,
 ) -> Backend:
     """Load a model ("tiny": the embedded default, written under `root`; "smollm2"; a
     checkpoint directory or .gguf file), its tokenizer and an engine of `config` (not
     started). `warmup`: the worker compiles every shape first (`Engine.warmup_plan`), one
     between steps while idle, serving meanwhile. `mesh`: "DATAxMODEL" (e.g. "2x4") to serve
-    over that device mesh (None: one device). `kw`: `Backend` fields."""
+    over that device mesh (None: one device). `dtype`: the params' ("fp32" or "bf16", as
+    `--kv-dtype` names them). `kw`: `Backend` fields."""
     import leyline_jax as ll
+    from serve.engine.config import DTYPES
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} must be one of {sorted(DTYPES)}")
 
     if model == "tiny":
         from checkpoints.tiny import ensure_default_checkpoints
@@ -125,7 +131,7 @@ def load_backend(
         path = chat.model_path(model)
         tokenizer = chat.tokenizer_for(path)
     grid = None if mesh is None else parse_mesh(mesh)
-    m = ll.load_model(path, mesh=grid)  # each param placed on its shards as it is read
+    m = ll.load_model(path, DTYPES[dtype], mesh=grid)  # each param on its shards as it is read
     engine = Engine(m, config, mesh=grid)
     served = name or (model if model in ("tiny", "smollm2") else Path(path).name)
     backend = Backend.for_engine(engine, tokenizer, served, max_queue=max_queue, **kw)

@@ -1,8 +1,8 @@
 """Running the server: `python -m serve.http` (`main`), and `ServerThread` (uvicorn in a thread
 of this process, for tests and benchmarks).
 
-    python -m serve.http --model PATH|tiny|smollm2 [--port 8000] [--host 127.0.0.1]
-        [--num-pages N] [--page-size N] [--max-seqs N] [--kv-dtype bf16|fp32] ...
+    python -m serve.http --model PATH|tiny|smollm2 [--dtype fp32|bf16] [--port 8000]
+        [--host 127.0.0.1] [--num-pages N] [--page-size N] [--max-seqs N] [--kv-dtype bf16|fp32]
         [--max-queue 64] [--warmup] [--list-shapes] [--compile-cache DIR|off]
         [--max-body-bytes 16777216] [--body-timeout 30] [--header-timeout 10] [--session-ttl 3600]
         [--max-sessions 10000] [--max-sessions-per-tenant N]
@@ -142,6 +142,7 @@ def parser() -> argparse.ArgumentParser:
         "--list-shapes", action="store_true", help="print the shapes --warmup compiles and exit"
     )
     ap.add_argument("--mesh", default=None, help="a DATAxMODEL device mesh, e.g. 2x4")
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="the weights'")
     group = ap.add_argument_group("multi-controller serving (serve.multihost): one per host")
     group.add_argument("--num-processes", type=int, default=1, help="processes in the group")
     group.add_argument("--process-id", type=int, default=0, help="0: the leader (HTTP)")
@@ -198,6 +199,7 @@ def main(argv=None) -> None:
         max_queue=args.max_queue,
         warmup=args.warmup and not group,
         mesh=args.mesh,
+        dtype=args.dtype,
         default_max_tokens=args.max_tokens,
         request_timeout_s=args.request_timeout,
         max_body_bytes=args.max_body_bytes,
