@@ -21,11 +21,9 @@ from __future__ import annotations
 import json
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 SIZES = (200, 4096, 65536)
@@ -54,6 +52,7 @@ def _group(repeats: int, processes: int) -> dict:
 
 
 def _member(pid: int, coordinator: str, repeats: int, ckpt: str, processes: int) -> None:
+    from benchmarks import harness
     from serve import multihost
 
     if processes > 1:
@@ -68,12 +67,9 @@ def _member(pid: int, coordinator: str, repeats: int, ckpt: str, processes: int)
     out: dict = {"broadcast_s": {}}
     for size in SIZES if processes > 1 else ():
         payload = os.urandom(size) if leader else None
-        ts = []
-        for _ in range(repeats + 5):
-            t = time.perf_counter()
-            multihost._broadcast(payload)
-            ts.append(time.perf_counter() - t)
-        out["broadcast_s"][size] = statistics.median(ts[5:])
+        out["broadcast_s"][size] = harness.median_time(
+            lambda p=payload: multihost._broadcast(p), repeats=repeats, warmup=5
+        )
     if leader:
         ensure_default_checkpoints(ckpt)
     if processes > 1:
@@ -88,16 +84,10 @@ def _member(pid: int, coordinator: str, repeats: int, ckpt: str, processes: int)
     eng = multihost.Lockstep(engine) if processes > 1 else engine
     for i in range(4):
         eng.submit(eng.open_session(), [3 + i] * 20, sampling=SamplingParams(repeats + 40))
-    for _ in range(10):  # prefill, then decode (compiled)
-        eng.step()
-    ts = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        eng.step()
-        ts.append(time.perf_counter() - t)
+    step = harness.median_time(eng.step, repeats=repeats, warmup=10)  # warm: prefill, decode
     if processes > 1:
         eng.stop()
-    out["decode_step_s"] = statistics.median(ts)
+    out["decode_step_s"] = step
     print(json.dumps(out))
 
 

@@ -48,11 +48,18 @@ class Grammars:
     def __init__(self, tokenizer_json: str, vocab: int, eos: tuple[int, ...]):
         self.vocab = int(vocab)
         self._tok = llguidance.LLTokenizer(tokenizer_json, n_vocab=self.vocab, eos_token=list(eos))
-        self._byte_token = {}  # byte -> the token that is that byte alone, where one is
+        byte_token = {}  # printable byte -> the token that is that byte alone, where one is
         for b in [*range(33, 127), 32]:
             ids = self._tok.tokenize_bytes(bytes([b]))
             if len(ids) == 1:
-                self._byte_token[b] = ids[0]
+                byte_token[b] = ids[0]
+
+        def order(first: bytes) -> list[int]:
+            head = [byte_token[b] for b in first if b in byte_token]
+            return head + [t for t in byte_token.values() if t not in head]
+
+        # the one-byte tokens a close tries, in order, inside a JSON string and outside one
+        self._close_order = {True: order(_IN_STRING), False: order(_OUTSIDE)}
 
     def json_schema(self, schema: dict | None) -> Grammar:
         """JSON text valid against `schema` (a JSON Schema; None: any JSON object). Raises
@@ -128,18 +135,13 @@ class Matcher:
             forced = m.compute_ff_tokens()
             if not forced:
                 allowed = np.frombuffer(m.compute_bitmask(), np.uint32)
-                forced = [t for t in self._candidates(lex) if allowed[t >> 5] >> (t & 31) & 1][:1]
+                order = self._g._close_order[lex.in_string]
+                forced = [t for t in order if allowed[t >> 5] >> (t & 31) & 1][:1]
             if not forced or len(out) + len(forced) > limit or not m.consume_tokens(forced):
                 return None
             out += forced
             lex.feed(self._g._tok.decode_bytes(forced))
         return out
-
-    def _candidates(self, lex: _Lexer) -> list[int]:
-        order = _IN_STRING if lex.in_string else _OUTSIDE
-        byte_token = self._g._byte_token
-        first = [byte_token[b] for b in order if b in byte_token]
-        return first + [t for t in byte_token.values() if t not in first]  # then any one byte
 
     def _schedule(self, left: int) -> None:
         """Plan the close: forced from now when it needs all but `SLACK` of the `left` tokens,

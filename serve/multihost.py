@@ -96,16 +96,10 @@ class Lockstep:
 
     def __init__(self, engine):
         _collectives_at_start(engine)
-        object.__setattr__(self, "engine", engine)
+        self.engine = engine
         self._record: list[tuple] = []
         self._turns: dict[int, tuple[int, object]] = {}  # id(Request) -> (its number, it)
         self._made = 0  # turns made, as the followers count them
-
-    def __setattr__(self, name, value):  # the engine's settings (`on_forget`) are its own
-        if name.startswith("_"):
-            object.__setattr__(self, name, value)
-        else:
-            setattr(self.engine, name, value)
 
     def __getattr__(self, name):
         attr = getattr(self.engine, name)

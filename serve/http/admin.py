@@ -115,7 +115,7 @@ def add_routes(app, backend) -> None:
     async def import_sessions(body: ImportBody, request: Request):
         backend.tenants.check_admin(request.headers.get("authorization"))
         if isinstance(worker.engine, Lockstep):  # the followers' engines would not follow
-            why = "a multi-process group takes no snapshots"
+            why = "a multi-process group does not import another server's snapshot"
             raise APIError(409, why, "snapshot_dir", code="no_snapshot_dir")
         result = await engine_call(worker, lambda answer: Import(body.snapshot_dir, answer))
         if isinstance(result, BaseException):

@@ -225,13 +225,14 @@ def main(argv=None) -> None:
             log.info("process %d follows the leader", args.process_id)
             multihost.follow(engine, backend.grammars)
             return
-        backend.worker.engine = multihost.Lockstep(engine)
     if backend.worker.warming is not None:
         names = backend.worker.warming.names()
         log.info("warmup: %d shapes to compile: %s", len(names), "; ".join(names))
     import uvicorn
 
-    app = build_app(backend)
+    app = build_app(backend)  # restores the snapshot into the engine itself, as followers do
+    if group:
+        backend.worker.engine = multihost.Lockstep(backend.worker.engine)
     backend.worker.warmed = freeze_heap
     freeze_heap()
     backend.worker.start()
