@@ -175,6 +175,21 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _group_member(backend, warmup: bool, process_id: int) -> bool:
+    """Every process of a group: `--warmup` compiles the same programs in the same order; a
+    follower restores the leader's snapshot (as the leader does) and follows it, then True."""
+    engine = backend.worker.engine
+    if warmup:
+        log.info("warmup: %d shapes compiled", engine.warmup())
+    if process_id == 0:
+        return False
+    if backend.snapshot_dir is not None:
+        restore_sessions(backend)
+    log.info("process %d follows the leader", process_id)
+    multihost.follow(engine, backend.grammars)
+    return True
+
+
 def main(argv=None) -> None:
     ap = parser()
     args = ap.parse_args(argv)
@@ -215,16 +230,8 @@ def main(argv=None) -> None:
         names = backend.worker.engine.warmup_plan().names()
         print(f"{len(names)} shapes:", *names, sep="\n  ")
         return
-    if group:
-        engine = backend.worker.engine
-        if args.warmup:  # every process compiles the same programs, in the same order
-            log.info("warmup: %d shapes compiled", engine.warmup())
-        if args.process_id != 0:
-            if backend.snapshot_dir is not None:  # the leader's, restored as the leader does
-                restore_sessions(backend)
-            log.info("process %d follows the leader", args.process_id)
-            multihost.follow(engine, backend.grammars)
-            return
+    if group and _group_member(backend, args.warmup, args.process_id):
+        return  # a follower, released by the leader
     if backend.worker.warming is not None:
         names = backend.worker.warming.names()
         log.info("warmup: %d shapes to compile: %s", len(names), "; ".join(names))
