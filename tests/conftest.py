@@ -21,17 +21,21 @@ def _jaxlib_version() -> tuple[int, ...]:
 
 
 # The suite's time is mostly XLA compiling small programs, so it compiles them cheaply: LLVM's
-# optimisation off (`--xla_backend_optimization_level=0`, 25-30% less time for the slowest
-# files) and XLA:CPU's older loop emitters instead of its fusion emitters
-# (`--xla_cpu_use_fusion_emitters=false`, another 30% off test_directives.py: 142 s -> 99 s,
-# 101 s -> 63 s of it compiling). Every check holds either way (the whole suite passes with
-# LEYLINE_TEST_XLA_OPT=default, XLA's own settings); processes the tests start inherit them,
-# except where a test measures what a user runs (tests/test_startup.py clears them). Set before
-# jax starts its backend.
-TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+# optimisation off (`jax_disable_most_optimizations`: `xla_backend_optimization_level=0`, 25-30%
+# less time for the slowest files) and XLA:CPU's older loop emitters instead of its fusion
+# emitters (`--xla_cpu_use_fusion_emitters=false`, another 30% off test_directives.py: 142 s ->
+# 99 s, 101 s -> 63 s of it compiling). Every check holds either way (the whole suite passes
+# with LEYLINE_TEST_XLA_OPT=default, XLA's own settings); processes the tests start inherit
+# them, except where a test measures what a user runs (tests/test_startup.py clears them). Set
+# before jax starts its backend. The optimisation level is jax's own setting, read at each
+# compilation: a test file whose time is running programs rather than compiling them (a
+# trained model generating text) is marked `xla_optimized` and compiles at XLA's level
+# (test_grammar.py: 148 s at -O0, 90 s so).
+PROCESS_XLA_FLAGS = "--xla_cpu_use_fusion_emitters=false"
 if _jaxlib_version() >= (0, 11):  # its XLA has no loop emitters (and aborts on the flag)
-    TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+    PROCESS_XLA_FLAGS = ""
 CHEAP_XLA = os.environ.get("LEYLINE_TEST_XLA_OPT", "0") != "default"
+UNOPTIMIZED = "JAX_DISABLE_MOST_OPTIMIZATIONS"  # jax's setting, from the environment at start
 # A test of a property of XLA's own code generation (one result bit for bit whatever the
 # program's shape) runs only at XLA's own settings: marked `xla_default`, it is skipped under
 # the cheap ones, and a test of its file runs it again in a process at XLA's settings
@@ -39,7 +43,10 @@ CHEAP_XLA = os.environ.get("LEYLINE_TEST_XLA_OPT", "0") != "default"
 # one shape to another)
 if CHEAP_XLA:
     _flags = os.environ.get("XLA_FLAGS", "")
-    os.environ["XLA_FLAGS"] = f"{_flags} {TEST_XLA_FLAGS}".strip()
+    os.environ["XLA_FLAGS"] = f"{_flags} {PROCESS_XLA_FLAGS}".strip()
+    os.environ[UNOPTIMIZED] = "1"
+else:
+    os.environ.pop(UNOPTIMIZED, None)
 
 from checkpoints.tiny import (  # noqa: E402
     TINY_GQA_CONFIGS,
@@ -113,13 +120,19 @@ def pytest_collection_modifyitems(session, config, items):
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _drop_compiled_programs():
-    """Each test module compiles its own shapes; dropping them afterwards keeps one long pytest
-    process from piling up thousands of XLA:CPU executables (each maps its own code pages; the
-    kernel's map-count limit then makes LLVM fail with "Cannot allocate memory")."""
-    yield
+def _compile_settings(request):
+    """A module marked `xla_optimized` compiles at XLA's optimisation level. Each test module
+    compiles its own shapes; dropping them afterwards keeps one long pytest process from piling
+    up thousands of XLA:CPU executables (each maps its own code pages; the kernel's map-count
+    limit then makes LLVM fail with "Cannot allocate memory")."""
     import jax
 
+    optimized = CHEAP_XLA and request.node.get_closest_marker("xla_optimized") is not None
+    if optimized:
+        jax.config.update("jax_disable_most_optimizations", False)
+    yield
+    if optimized:
+        jax.config.update("jax_disable_most_optimizations", True)
     jax.clear_caches()
 
 

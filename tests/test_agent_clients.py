@@ -16,6 +16,9 @@ langchain_openai = pytest.importorskip("langchain_openai")
 
 from pydantic import BaseModel  # noqa: E402
 
+# its time is SmolLM2 generating text, not compiling: XLA optimises (tests/conftest.py)
+pytestmark = pytest.mark.xla_optimized
+
 
 @pytest.fixture(scope="module")
 def server():

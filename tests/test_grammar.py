@@ -14,6 +14,9 @@ import pytest
 
 from serve.sampling import grammar_masks, mask_words, sample
 
+# its time is SmolLM2 generating text, not compiling: XLA optimises (tests/conftest.py)
+pytestmark = pytest.mark.xla_optimized
+
 V = 100
 
 

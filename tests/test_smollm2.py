@@ -24,6 +24,9 @@ from test_parity import assert_logits_match, hf_logits, rel_err
 import leyline_jax as ll
 from leyline_jax.loader import convert_hf_params, model_from_params
 
+# its time is SmolLM2 running, not compiling: XLA optimises (tests/conftest.py)
+pytestmark = pytest.mark.xla_optimized
+
 SEQ = 512
 
 
