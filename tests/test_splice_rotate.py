@@ -29,7 +29,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import UNOPTIMIZED
 
 from pallas_kernels import dispatch
 from pallas_kernels.splice_rotate import (
@@ -376,7 +375,6 @@ def test_block_loops_at_xla_default_settings():
     the suite's cheap settings the loop emitters round the rotation's last bit differently
     from one block size to another)."""
     env = {**os.environ, "LEYLINE_TEST_XLA_OPT": "default", "XLA_FLAGS": ""}
-    env.pop(UNOPTIMIZED, None)
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
     run = subprocess.run(
         [*cmd, "-k", "block_loop_matches"], env=env, capture_output=True, text=True, timeout=600
