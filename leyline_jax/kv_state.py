@@ -46,23 +46,33 @@ from leyline_jax.config import is_int
 
 # The most new tokens one step carries by default (`init_state`'s `max_step_tokens`)
 MAX_STEP_TOKENS = 1024
+# Each bucket of a state's ladders is this many times the one before, by default (`init_state`'s
+# `bucket_growth`; read when a state is made): powers of two, measured against the padding they
+# save (BENCHMARKS.md, "A bounded shape set")
+BUCKET_GROWTH = 2
 # Pages are zeroed in blocks of at most this many (each bucketed): a bounded set of shapes
 ZERO_BLOCK = 64
 
 __all__ = ["OutOfPagesError", "SequenceError", "KVPools", "PagedKVState", "init_state", "tokens"]
 
 
-def bucket(n: int, minimum: int = 1, maximum: int | None = None) -> int:
-    """Smallest power of two >= max(n, minimum), capped at `maximum`: the shapes jitted steps
-    over the pools are padded to."""
-    b = 1 << (max(n, minimum) - 1).bit_length()
+def bucket(n: int, minimum: int = 1, maximum: int | None = None, growth: int = 2) -> int:
+    """Smallest power of `growth` >= max(n, minimum), capped at `maximum`: the shapes jitted
+    steps over the pools are padded to."""
+    b, need = 1, max(n, minimum)
+    while b < need:
+        b *= growth
     return b if maximum is None else min(b, maximum)
 
 
-def ladder(top: int, minimum: int = 1) -> list[int]:
-    """Every bucket from `minimum` up to `top`, smallest first: `bucket(n, minimum, top)` for
-    n in [1, top] (powers of two, and `top` itself last)."""
-    return sorted({bucket(1 << i, minimum, top) for i in range((top - 1).bit_length() + 1)})
+def ladder(top: int, minimum: int = 1, growth: int = 2) -> list[int]:
+    """Every bucket from `minimum` up to `top`, smallest first: `bucket(n, minimum, top,
+    growth)` for n in [1, top] (powers of `growth`, and `top` itself last)."""
+    out, b = [], bucket(minimum, growth=growth)
+    while b < top:
+        out.append(b)
+        b *= growth
+    return [*out, top]
 
 
 def padded(ids, size: int, fill: int) -> jax.Array:
@@ -172,6 +182,8 @@ class PagedKVState:
     max_seq_len: int = dataclasses.field(metadata=dict(static=True))  # exact, not page-rounded
     # the most new tokens one step carries: the top of the step's token buckets
     max_step_tokens: int = dataclasses.field(default=MAX_STEP_TOKENS, metadata=dict(static=True))
+    # each bucket of its ladders (step tokens, splice moves, zeroed pages) over the one before
+    bucket_growth: int = dataclasses.field(default=BUCKET_GROWTH, metadata=dict(static=True))
 
     def replace(self, **changes) -> PagedKVState:
         """A new state with `changes` (host arrays are frozen: nobody writes them in place)."""
@@ -183,6 +195,14 @@ class PagedKVState:
                     _frozen(row)
         return dataclasses.replace(self, **changes)
 
+    def bucket(self, n: int, minimum: int = 1, maximum: int | None = None) -> int:
+        """`n` padded to this state's ladder (`bucket` with its `bucket_growth`)."""
+        return bucket(n, minimum, maximum, self.bucket_growth)
+
+    def ladder(self, top: int, minimum: int = 1) -> list[int]:
+        """This state's buckets from `minimum` up to `top` (`ladder` with its growth)."""
+        return ladder(top, minimum, self.bucket_growth)
+
     def zeroed(self, pages) -> PagedKVState:
         """The state with whole pages `pages` (host ids) zeroed in every layer, on the device
         (donates this state's pools), in blocks of `ZERO_BLOCK`: what a purge does to KV
@@ -190,7 +210,9 @@ class PagedKVState:
         pools = self.pools
         for a in range(0, len(pages), ZERO_BLOCK):
             block = pages[a : a + ZERO_BLOCK]
-            pools = pools.by_layer(_zero_pages, padded(block, bucket(len(block)), self.num_pages))
+            pools = pools.by_layer(
+                _zero_pages, padded(block, self.bucket(len(block), 1, ZERO_BLOCK), self.num_pages)
+            )
         return self if pools is self.pools else self.replace(pools=pools)
 
     # every layer's bands stacked, [L, P, page_size, *shape] storage (a copy: for inspection)
@@ -206,6 +228,14 @@ class PagedKVState:
     max_pages_per_seq = property(lambda self: self.page_table.shape[1])
 
 
+def _growth(growth) -> int:
+    """`init_state`'s `bucket_growth`, checked (None: `BUCKET_GROWTH`, read at the call)."""
+    growth = BUCKET_GROWTH if growth is None else growth
+    if not is_int(growth) or growth < 2:
+        raise ValueError(f"bucket_growth={growth!r} must be an integer of at least 2")
+    return int(growth)
+
+
 def init_state(
     config,
     *,
@@ -216,6 +246,7 @@ def init_state(
     k_pe_dtype=None,
     max_seq_len: int | None = None,
     max_step_tokens: int = MAX_STEP_TOKENS,
+    bucket_growth: int | None = None,
     mesh=None,
 ) -> PagedKVState:
     """An empty pool of `num_pages` pages of `page_size` slots for up to `max_seqs` sequences.
@@ -231,17 +262,20 @@ def init_state(
     max_position_embeddings; an explicit value may go past it: positions the model was not
     trained for are the caller's choice, as with a serving stack's max-model-length override).
     `max_step_tokens`: the most new tokens one step carries (a longer prefill runs in chunks of
-    this many; `leyline_jax.paged.step_shapes` lists the shapes it allows). `mesh`: a
-    `leyline_jax.sharding.MeshConfig` to split every layer's pools by page over its
-    `data` axis (None: the default device). Raises ValueError naming a bad argument.
+    this many; `leyline_jax.paged.step_shapes` lists the shapes it allows). `bucket_growth`:
+    steps, splice moves and zeroing pad to its powers (None: `BUCKET_GROWTH`, 2; larger: fewer
+    shapes, more padding). `mesh`: a `leyline_jax.sharding.MeshConfig` to split every layer's
+    pools by page over its `data` axis (None: the default device). Raises ValueError naming a
+    bad argument.
     """
-    sizes = {"num_pages": num_pages, "page_size": page_size, "max_seqs": max_seqs}
+    sizes = dict(num_pages=num_pages, page_size=page_size, max_seqs=max_seqs)
     sizes["max_step_tokens"] = max_step_tokens
     if max_seq_len is not None:
         sizes["max_seq_len"] = max_seq_len
     for name, v in sizes.items():
         if not is_int(v) or v < 1:
             raise ValueError(f"{name}={v!r} must be a positive integer")
+    bucket_growth = _growth(bucket_growth)
     num_pages, page_size, max_seqs = int(num_pages), int(page_size), int(max_seqs)
     if max_seq_len is None:
         max_seq_len = min(num_pages * page_size, config.max_position_embeddings)
@@ -280,6 +314,7 @@ def init_state(
         vocab_size=config.vocab_size,
         max_seq_len=max_seq_len,
         max_step_tokens=int(max_step_tokens),
+        bucket_growth=bucket_growth,
     )
 
 

@@ -46,10 +46,10 @@ MIN_TOKEN_BUCKET = 1
 
 def step_shapes(state: PagedKVState) -> list[tuple[int, int]]:
     """Every (tokens, rows) shape a step over `state` can take, smallest first: the token
-    buckets (powers of two up to the state's `max_step_tokens`, which is the last) and, for
+    buckets (powers of the state's `bucket_growth` up to its `max_step_tokens`, the last) and, for
     each, its rows: as many as its tokens, up to bucket(max_seqs). A step's shape follows
     from its token count alone, so this list is the whole set a server compiles."""
-    return [(t, _row_bucket(state, t)) for t in kv.ladder(state.max_step_tokens)]
+    return [(t, _row_bucket(state, t)) for t in state.ladder(state.max_step_tokens)]
 
 
 def _row_bucket(state: PagedKVState, tokens: int) -> int:
@@ -161,7 +161,7 @@ def _rows(state: PagedKVState, seqs, blocks, starts, slots, cow=((), ())) -> Row
     (pages already in `state`'s table), flattened in row order; `cow`: (pages, their copies)
     the step copies first."""
     n, counts = len(seqs), np.array([len(x) for x in blocks], np.int32)
-    t = bucket(int(counts.sum()), MIN_TOKEN_BUCKET, state.max_step_tokens)
+    t = state.bucket(int(counts.sum()), MIN_TOKEN_BUCKET, state.max_step_tokens)
     rows = _padding(state, _row_bucket(state, t), t)
     cu = rows.cu_q_lens
     cu[1 : n + 1] = np.cumsum(counts)
@@ -317,7 +317,7 @@ def read_pages(state: PagedKVState, ids) -> tuple[np.ndarray, np.ndarray]:
     parts: tuple[list, list] = ([], [])
     for a in range(0, len(p), PAGE_BLOCK):
         block = p[a : a + PAGE_BLOCK]
-        got = _read_pages(state.pools, kv.padded(block, bucket(len(block)), 0))
+        got = _read_pages(state.pools, kv.padded(block, state.bucket(len(block), 1, PAGE_BLOCK), 0))
         with jax.transfer_guard_device_to_host("allow"):  # the read this function is for
             for part, band in zip(parts, got, strict=True):
                 part.append(_host(band)[:, : len(block)])
@@ -372,7 +372,7 @@ def load_pages(
     pools = state.pools
     for a in range(0, k, PAGE_BLOCK):
         n = min(PAGE_BLOCK, k - a)
-        b = bucket(n)
+        b = state.bucket(n, 1, PAGE_BLOCK)
         dst = kv.padded(dst_pages[a : a + n], b, state.num_pages)
         blocks = [_pages_block(arr, a, n, b, pool[0]) for _, arr, pool in bands]
         pools = _write_pages(pools, dst, *blocks)

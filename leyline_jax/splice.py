@@ -129,26 +129,26 @@ def rotation_tables(config, length: int, impl=None) -> tuple[jax.Array, jax.Arra
     return inv, jax.jit(phase_table, static_argnums=1)(inv, length)
 
 
-def padded_runs(runs: Runs, maximum: int | None = None) -> Runs:
-    """`runs` padded to their bucket (at most `maximum`) with runs of length 0 (they move
-    nothing)."""
-    m = bucket(len(runs.src), MIN_MOVE_BUCKET, maximum)
+def padded_runs(runs: Runs, maximum: int | None = None, growth: int = 2) -> Runs:
+    """`runs` padded to their bucket (a power of `growth`, at most `maximum`) with runs of
+    length 0 (they move nothing)."""
+    m = bucket(len(runs.src), MIN_MOVE_BUCKET, maximum, growth)
     return Runs(*(padded(a, m, 0) for a in runs))
 
 
-def _blocks(runs: Runs, size: int):
+def _blocks(runs: Runs, size: int, growth: int):
     """`runs` in blocks of at most `size` runs, each padded (every run writes a fresh slot:
     the blocks are independent)."""
     for a in range(0, len(runs.src), size):
-        yield padded_runs(Runs(*(x[a : a + size] for x in runs)), size)
+        yield padded_runs(Runs(*(x[a : a + size] for x in runs)), size, growth)
 
 
 def shapes(state: PagedKVState) -> list[tuple[str, int]]:
     """Every shape an edit's device steps over `state` can take: ("move", runs) for the
     splice, in blocks of at most the state's `max_step_tokens` runs, ("zero", pages) for an
     edit's zeroing and ("purge", pages) for a purge's, in blocks of at most `ZERO_BLOCK`."""
-    moves = [("move", m) for m in kv.ladder(state.max_step_tokens, MIN_MOVE_BUCKET)]
-    return moves + [(kind, k) for kind in ("zero", "purge") for k in kv.ladder(kv.ZERO_BLOCK)]
+    moves = [("move", m) for m in state.ladder(state.max_step_tokens, MIN_MOVE_BUCKET)]
+    return moves + [(kind, k) for kind in ("zero", "purge") for k in state.ladder(kv.ZERO_BLOCK)]
 
 
 def run_edit(
@@ -173,12 +173,14 @@ def run_edit(
         slots = padded(plan.dead_slots, ps, p * ps)
         for a in range(0, max(len(plan.dead), 1), kv.ZERO_BLOCK):
             dead = plan.dead[a : a + kv.ZERO_BLOCK]
-            pools = pools.by_layer(zero_step, padded(dead, bucket(max(len(dead), 1)), p), slots)
+            pools = pools.by_layer(
+                zero_step, padded(dead, state.bucket(len(dead), 1, kv.ZERO_BLOCK), p), slots
+            )
             slots = padded([], ps, p * ps)  # once
     if spliced:
         moves = plan_splice(before, plan.old_row, plan.row, spliced, ps)
         tables = rotation_tables(model.config, state.max_seq_len, impl)
-        for runs in _blocks(moves.runs, state.max_step_tokens):
+        for runs in _blocks(moves.runs, state.max_step_tokens, state.bucket_growth):
             pools = splice_pools(pools, runs, *tables, impl=impl)
         fills = moves.fills
     state = plan.state.replace(pools=pools)

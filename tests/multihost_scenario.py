@@ -45,9 +45,9 @@ grid = ll.MeshConfig.create(data=2, model=4)
 model = ll.load_model(args.ckpt, mesh=grid)
 
 
-def new_engine() -> Engine:
+def new_engine() -> Engine:  # on the suite's ladder (tests/conftest.py)
     return Engine(model, num_pages=64, page_size=8, max_seqs=4, max_seq_len=256,
-                  kv_dtype=jnp.float32, mesh=grid)  # fmt: skip
+                  kv_dtype=jnp.float32, mesh=grid, bucket_growth=4)  # fmt: skip
 
 
 engine = new_engine()

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import DEFAULT_BUCKET_GROWTH
 
 import leyline_jax as ll
 from leyline_jax import directives as dv
@@ -591,9 +592,10 @@ def test_warmup_compiles_every_shape_serving_meets(model):
     (every compile XLA reports is counted). The pool size is this test's own, so no other test
     compiled these shapes; a turn on an engine not warmed up (another pool) compiles: the count
     can fail."""
-    size = dict(num_pages=77, max_seqs=4, max_seq_len=160, prefill_chunk=32)
+    size = dict(num_pages=77, max_seqs=4, max_seq_len=160, prefill_chunk=32, bucket_growth=4)
     engine = make_engine(model, **size, max_num_batched_tokens=48)
-    assert engine.warmup() == len(engine.warmup_plan().names()) == 7 + 3 + 14
+    # steps of 1, 4, 16, 48 tokens; moves in blocks of 16, 48; zeroing and purging 1..64 pages
+    assert engine.warmup() == len(engine.warmup_plan().names()) == 4 + 2 + 2 * 4
     compiled: list = []
 
     def counts():
@@ -627,9 +629,14 @@ def test_warmup_compiles_every_shape_serving_meets(model):
 def test_the_default_shape_set_is_bounded(model):
     """The engine's default settings compile 30 shapes in all, whatever the pool's size: the
     step's token buckets up to max_num_batched_tokens (512), the splice's blocks of runs up to
-    as many, and zeroing in blocks of up to 64 pages. A larger setting lists more."""
-    names = make_engine(model, num_pages=4096).warmup_plan().names()
+    as many, and zeroing in blocks of up to 64 pages. A larger setting lists more; a coarser
+    ladder fewer."""
+    default = dict(bucket_growth=DEFAULT_BUCKET_GROWTH)  # the suite's own is coarser
+    names = make_engine(model, num_pages=4096, **default).warmup_plan().names()
     assert len(names) == 10 + 6 + 2 * 7
     assert names[0] == "step of 1 tokens, 1 rows" and "step of 512 tokens, 16 rows" in names
-    more = make_engine(model, num_pages=64, max_num_batched_tokens=2048).warmup_plan().names()
-    assert len(more) == len(names) + 4
+    settings = dict(num_pages=64, max_num_batched_tokens=2048, **default)
+    assert len(make_engine(model, **settings).warmup_plan().names()) == len(names) + 4
+    coarse = make_engine(model, num_pages=4096, bucket_growth=4).warmup_plan().names()
+    assert len(coarse) == 6 + 4 + 2 * 4  # 1, 4, 16, 64, 256, 512; 16, 64, 256, 512; 1..64
+    assert "step of 512 tokens, 16 rows" in coarse and "step of 16 tokens, 16 rows" in coarse

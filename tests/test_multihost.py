@@ -105,10 +105,11 @@ def test_a_group_serves_http_restarts_and_ends_when_a_follower_dies(ckpt, tmp_pa
     env = _env() | {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
     logs = [open(tmp_path / f"p{i}.log", "w+") for i in (0, 1)]
 
-    def group():
+    def group():  # on the suite's ladder (tests/conftest.py)
         cmd = [sys.executable, "-m", "serve.http", "--model", str(Path(ckpt)), "--mesh", "2x4",
                "--num-processes", "2", "--coordinator", f"127.0.0.1:{_port()}",
-               "--port", str(port), "--snapshot-dir", str(tmp_path / "snap")]  # fmt: skip
+               "--port", str(port), "--snapshot-dir", str(tmp_path / "snap"),
+               "--bucket-growth", "4"]  # fmt: skip
         procs = [subprocess.Popen([*cmd, "--process-id", str(i)], env=env, stdout=logs[i],
                                   stderr=logs[i]) for i in (0, 1)]  # fmt: skip
         for _ in range(240):

@@ -232,14 +232,14 @@ def test_compiles_once_per_bucket(np_ckpt):
             length = open_seqs.get(s, 0)
             if length + n > 500:
                 continue
-            prefill_keys.add(paged.bucket(n, paged.MIN_TOKEN_BUCKET))
+            prefill_keys.add(state.bucket(n, paged.MIN_TOKEN_BUCKET))
             state, _ = ll.prefill(model, state, s, random_tokens(n, seed=int(rng.integers(99))))
             open_seqs[s] = length + n
         else:
             batch = sorted(
                 rng.choice(list(open_seqs), size=min(3, len(open_seqs)), replace=False).tolist()
             )
-            decode_keys.add(paged.bucket(len(batch), paged.MIN_TOKEN_BUCKET))
+            decode_keys.add(state.bucket(len(batch), paged.MIN_TOKEN_BUCKET))
             state, _ = ll.decode(model, state, batch, [1] * len(batch))
             for s in batch:
                 open_seqs[s] += 1
@@ -322,6 +322,35 @@ def _one_graph_per_layer(model):
     return models.Split(pair(models.Ends(model)), tuple(pair(x) for x in model.layers))
 
 
+def test_buckets_are_powers_of_the_growth():
+    """`bucket` is the smallest power of the growth at least n (and the minimum), capped at the
+    maximum, against a plain enumeration; `ladder` is the set of buckets n in [1, top] takes.
+    Every growth is checked, so one that ignored it (powers of two always) fails."""
+    for growth in (2, 3, 4):
+        powers = [growth**k for k in range(12)]
+        for minimum, maximum in ((1, None), (3, 48), (16, 512), (1, 64)):
+            for n in range(0, 600):
+                want = min(p for p in powers if p >= max(n, minimum))
+                want = want if maximum is None else min(want, maximum)
+                assert kv.bucket(n, minimum, maximum, growth) == want, (n, minimum, growth)
+            top = maximum or 100
+            each = sorted({kv.bucket(n, minimum, top, growth) for n in range(1, top + 1)})
+            assert kv.ladder(top, minimum, growth) == each
+    assert kv.ladder(512, 16, 4) == [16, 64, 256, 512]
+
+
+@pytest.mark.parametrize("growth", [0, 1, 2.0, "4", True, -4])
+def test_a_bad_bucket_growth_is_refused(small_model, growth):
+    """The ladder's growth is an integer of at least 2: anything else is refused by name."""
+    from serve.engine import EngineConfig
+
+    with pytest.raises(ValueError, match="bucket_growth"):
+        ll.init_state(small_model.config, num_pages=4, page_size=4, max_seqs=1,
+                      bucket_growth=growth)  # fmt: skip
+    with pytest.raises(ValueError, match="bucket_growth"):
+        EngineConfig(bucket_growth=growth)
+
+
 def test_long_prefill_runs_in_chunks(np_ckpt):
     """Prompts longer than the state's max_step_tokens go through several steps of at most
     that many tokens (no shape outside `step_shapes`); same logits."""
@@ -334,6 +363,7 @@ def test_long_prefill_runs_in_chunks(np_ckpt):
         max_seqs=1,
         kv_dtype=jnp.float32,
         max_step_tokens=48,
+        bucket_growth=2,
     )
     assert [t for t, _ in paged.step_shapes(state)] == [1, 2, 4, 8, 16, 32, 48]
     before = paged.compile_counts()["step"]

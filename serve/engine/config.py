@@ -29,7 +29,9 @@ class EngineConfig:
     `prefill_chunk`: the most prompt tokens one turn feeds per step;
     `max_num_batched_tokens`: the most new tokens one step carries, all turns together (as
     vLLM's setting of that name): the top of the step's token buckets, so it bounds the
-    shapes a server compiles (`leyline_jax.paged.step_shapes`). `radix`: keep the radix
+    shapes a server compiles (`leyline_jax.paged.step_shapes`). `bucket_growth`: each bucket
+    over the one before (None: `leyline_jax.kv_state.BUCKET_GROWTH`, powers of two): larger,
+    fewer shapes to compile and more padding per step. `radix`: keep the radix
     prefix cache. `move`: MOVE by default (a turn may say otherwise)."""
 
     num_pages: int = 512
@@ -40,6 +42,7 @@ class EngineConfig:
     k_pe_dtype: object = None
     prefill_chunk: int = 256
     max_num_batched_tokens: int = 512
+    bucket_growth: int | None = None
     radix: bool = True
     move: bool = False
 
@@ -56,6 +59,9 @@ class EngineConfig:
                 raise ValueError(f"{name}={v!r} must be a positive integer")
         if self.max_seq_len is not None and (not is_int(self.max_seq_len) or self.max_seq_len < 1):
             raise ValueError(f"max_seq_len={self.max_seq_len!r} must be a positive integer")
+        growth = self.bucket_growth
+        if growth is not None and (not is_int(growth) or growth < 2):
+            raise ValueError(f"bucket_growth={growth!r} must be an integer of at least 2")
         for name in ("prefill_chunk", "max_seqs"):  # a step holds one turn's chunk; every row
             if getattr(self, name) > self.max_num_batched_tokens:
                 raise ValueError(
@@ -76,7 +82,8 @@ class EngineConfig:
         """The `leyline_jax.init_state` arguments of this pool."""
         keys = ("num_pages", "page_size", "max_seqs", "max_seq_len", "kv_dtype", "k_pe_dtype")
         return {k: getattr(self, k) for k in keys} | {
-            "max_step_tokens": self.max_num_batched_tokens
+            "max_step_tokens": self.max_num_batched_tokens,
+            "bucket_growth": self.bucket_growth,
         }
 
     # ---- the command line --------------------------------------------------------------------
@@ -92,6 +99,7 @@ class EngineConfig:
             "kv_dtype": "the moved band's storage: bf16 or fp32",
             "prefill_chunk": "most prompt tokens one turn feeds per step",
             "max_num_batched_tokens": "most new tokens one step carries (bounds compiled shapes)",
+            "bucket_growth": "each shape bucket over the one before (default 2)",
         }
         default = EngineConfig()
         for name, text in helps.items():

@@ -284,7 +284,7 @@ class Runner:
         ]
         vocab = pool.model.config.vocab_size
         logits = jnp.zeros((rows, vocab), jnp.float32)
-        jax.block_until_ready(sample(logits, *cols))
+        jax.block_until_ready(sample(logits, *cols, None))  # as `_emit` calls it: no mask
         masks = jnp.asarray(np.full((rows, mask_words(vocab)), -1, np.int32))
         jax.block_until_ready(sample(logits, *cols, masks))  # a step with a constrained row
 
