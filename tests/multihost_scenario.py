@@ -23,7 +23,8 @@ ap.add_argument("--ckpt", required=True)
 ap.add_argument("--out", default="")
 ap.add_argument("--snapshots", required=True, help="a directory every process reads")
 args = ap.parse_args()
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={8 // args.processes}"
+devices = f"--xla_force_host_platform_device_count={8 // args.processes}"
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {devices}".strip()  # the suite's
 
 import jax  # noqa: E402
 

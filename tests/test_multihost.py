@@ -41,8 +41,9 @@ def _port() -> int:
 
 
 def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    return env | {"PYTHONPATH": str(HERE.parent), "JAX_PLATFORMS": "cpu"}
+    """This process's environment: the suite's compile settings (tests/conftest.py) included;
+    each process adds its device count to XLA_FLAGS."""
+    return os.environ | {"PYTHONPATH": str(HERE.parent), "JAX_PLATFORMS": "cpu"}
 
 
 def _group(ckpt, out, snapshots, timeout=300):
@@ -102,7 +103,8 @@ def test_a_group_serves_http_restarts_and_ends_when_a_follower_dies(ckpt, tmp_pa
     import urllib.request
 
     port = _port()
-    env = _env() | {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    devices = "--xla_force_host_platform_device_count=4"
+    env = _env() | {"XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {devices}"}
     logs = [open(tmp_path / f"p{i}.log", "w+") for i in (0, 1)]
 
     def group():  # on the suite's ladder (tests/conftest.py)
