@@ -673,13 +673,15 @@ def test_a_server_without_a_snapshot_dir_refuses_to_snapshot(server):
 
 
 class Process:
-    """`python -m serve.http` in a process of its own (fp32 KV, a small pool)."""
+    """`python -m serve.http` in a process of its own (fp32 KV, a small pool, the suite's shape
+    ladder: tests/conftest.py)."""
 
     def __init__(self, ckpt_dir, snapshots, cache):
         self.port = free_port()
         args = ["--model", "tiny", "--root", str(ckpt_dir), "--port", str(self.port),
                 "--kv-dtype", "fp32", "--num-pages", "64", "--max-seqs", "4",
-                "--snapshot-dir", str(snapshots), "--compile-cache", str(cache)]  # fmt: skip
+                "--snapshot-dir", str(snapshots), "--compile-cache", str(cache),
+                "--bucket-growth", "4"]  # fmt: skip
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "serve.http", *args],
             cwd=Path(__file__).resolve().parents[1],
