@@ -46,9 +46,8 @@ from leyline_jax.config import is_int
 
 # The most new tokens one step carries by default (`init_state`'s `max_step_tokens`)
 MAX_STEP_TOKENS = 1024
-# Each bucket of a state's ladders is this many times the one before, by default (`init_state`'s
-# `bucket_growth`; read when a state is made): powers of two, measured against the padding they
-# save (BENCHMARKS.md, "A bounded shape set")
+# A state's buckets are powers of this by default (`init_state`'s `bucket_growth`, read when a
+# state is made): two, measured against the padding it saves (BENCHMARKS.md, issue 27)
 BUCKET_GROWTH = 2
 # Pages are zeroed in blocks of at most this many (each bucketed): a bounded set of shapes
 ZERO_BLOCK = 64
@@ -68,11 +67,10 @@ def bucket(n: int, minimum: int = 1, maximum: int | None = None, growth: int = 2
 def ladder(top: int, minimum: int = 1, growth: int = 2) -> list[int]:
     """Every bucket from `minimum` up to `top`, smallest first: `bucket(n, minimum, top,
     growth)` for n in [1, top] (powers of `growth`, and `top` itself last)."""
-    out, b = [], bucket(minimum, growth=growth)
-    while b < top:
-        out.append(b)
-        b *= growth
-    return [*out, top]
+    out = [bucket(minimum, growth=growth)]
+    while out[-1] < top:
+        out.append(out[-1] * growth)
+    return [*out[:-1], top]
 
 
 def padded(ids, size: int, fill: int) -> jax.Array:
