@@ -226,8 +226,8 @@ class PagedKVState:
     max_pages_per_seq = property(lambda self: self.page_table.shape[1])
 
 
-def _growth(growth) -> int:
-    """`init_state`'s `bucket_growth`, checked (None: `BUCKET_GROWTH`, read at the call)."""
+def checked_growth(growth) -> int:
+    """A `bucket_growth` setting, checked (None: `BUCKET_GROWTH`, read at the call)."""
     growth = BUCKET_GROWTH if growth is None else growth
     if not is_int(growth) or growth < 2:
         raise ValueError(f"bucket_growth={growth!r} must be an integer of at least 2")
@@ -266,14 +266,14 @@ def init_state(
     pools by page over its `data` axis (None: the default device). Raises ValueError naming a
     bad argument.
     """
-    sizes = dict(num_pages=num_pages, page_size=page_size, max_seqs=max_seqs)
+    sizes = {"num_pages": num_pages, "page_size": page_size, "max_seqs": max_seqs}
     sizes["max_step_tokens"] = max_step_tokens
     if max_seq_len is not None:
         sizes["max_seq_len"] = max_seq_len
     for name, v in sizes.items():
         if not is_int(v) or v < 1:
             raise ValueError(f"{name}={v!r} must be a positive integer")
-    bucket_growth = _growth(bucket_growth)
+    bucket_growth = checked_growth(bucket_growth)
     num_pages, page_size, max_seqs = int(num_pages), int(page_size), int(max_seqs)
     if max_seq_len is None:
         max_seq_len = min(num_pages * page_size, config.max_position_embeddings)

@@ -12,6 +12,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from leyline_jax.kv_state import checked_growth
 from serve.sampling import is_int
 
 DTYPES = {"bf16": jnp.bfloat16, "fp32": jnp.float32}  # the command line's names
@@ -59,9 +60,8 @@ class EngineConfig:
                 raise ValueError(f"{name}={v!r} must be a positive integer")
         if self.max_seq_len is not None and (not is_int(self.max_seq_len) or self.max_seq_len < 1):
             raise ValueError(f"max_seq_len={self.max_seq_len!r} must be a positive integer")
-        growth = self.bucket_growth
-        if growth is not None and (not is_int(growth) or growth < 2):
-            raise ValueError(f"bucket_growth={growth!r} must be an integer of at least 2")
+        if self.bucket_growth is not None:  # None stays: the library's default, read later
+            checked_growth(self.bucket_growth)
         for name in ("prefill_chunk", "max_seqs"):  # a step holds one turn's chunk; every row
             if getattr(self, name) > self.max_num_batched_tokens:
                 raise ValueError(
