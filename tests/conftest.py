@@ -174,7 +174,9 @@ def tiny_server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tiny_replicas(tmp_path_factory):
     """Two live `serve.http` servers (a module's own) of the tiny default model, fp32 KV, each
-    with its own `--snapshot-dir`: replicas for moving sessions between servers."""
+    with its own `--snapshot-dir`: replicas for moving sessions between servers. 16 sequence
+    slots each: all of test_cluster's 12 sessions fit on either (past its slots a replica
+    offloads the least recently used, and a session under one page has nothing cached)."""
     import contextlib
 
     import jax.numpy as jnp
@@ -190,7 +192,7 @@ def tiny_replicas(tmp_path_factory):
     with contextlib.ExitStack() as stack:
         servers = []
         for name in ("a", "b"):
-            engine = Engine(ll.load_model(path), num_pages=256, page_size=16, max_seqs=8,
+            engine = Engine(ll.load_model(path), num_pages=256, page_size=16, max_seqs=16,
                             kv_dtype=jnp.float32)  # fmt: skip
             backend = Backend.for_engine(engine, chat.ChatTokenizer(), "tiny",
                                          snapshot_dir=str(root / name))  # fmt: skip

@@ -59,7 +59,7 @@ def test_sessions_stick_sessionless_spread_and_a_drain_moves_them(fleet):
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
     # the router hashes a session id onto a ring of the replicas' addresses (random ports): on an
     # even ring all of 6 sessions land on one replica once in 32 runs (seen in CI), of 12 once in
-    # 2048
+    # 2048; a replica holds all 12 (`tiny_replicas`: 16 slots), however unevenly they land
     chats = {f"s{i}": [{"role": "user", "content": f"Session {i}: my week."}] for i in range(12)}
     for name, h in chats.items():
         turn(client, h, name)
