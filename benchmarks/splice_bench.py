@@ -50,7 +50,7 @@ from benchmarks import harness
 from benchmarks.device.floors import kv_bytes_per_token
 from checkpoints.tiny import write_random_checkpoint
 from leyline_jax import allocator, splice
-from leyline_jax import kv_state as kv
+from leyline_jax import kv_pools as kv
 from pallas_kernels.splice_rotate import phase_table, plan_runs, splice_rotate_ref
 
 PREFIX, SPAN, STUB, PAGE = 1024, 64, 16, 16

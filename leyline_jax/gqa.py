@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from leyline_jax import kv_state as kv
+from leyline_jax import kv_pools as kv
 from leyline_jax import rope
 from leyline_jax.config import Bands, ConfigError, read_hf_config
 from leyline_jax.hf_config import integer, real

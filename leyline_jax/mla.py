@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from leyline_jax import kv_state as kv
+from leyline_jax import kv_pools as kv
 from leyline_jax import rope
 from leyline_jax.config import ROUTER_SIGMOID_GROUPED, MLAConfig
 from leyline_jax.layers import HFLeaves, Linear, RMSNorm, contiguous, einsum, hf_shapes, mlp_shapes

@@ -31,11 +31,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.multihost_utils import process_allgather
 
-from leyline_jax import allocator
+from leyline_jax import allocator, kv_pools
 from leyline_jax import kv_state as kv
 from leyline_jax import model as models
 from leyline_jax.allocator import OutOfPagesError
 from leyline_jax.config import check_ids, check_tokens
+from leyline_jax.kv_pools import KVPools
 from leyline_jax.kv_state import PagedKVState, bucket
 from leyline_jax.model import CausalLM, Split
 
@@ -67,7 +68,7 @@ def _layer_body(layer, pools, h, cow_src, cow_dst, positions, slots, meta):
     every row attends through its own pages to its own slots only (`meta`: kv_lens i32[B],
     page_indices i32[B, W], cu_q_lens i32[B+1], num_rows i32[1]); then the feed forward.
     Returns h [T, H] after the layer and the layer's pools."""
-    pools = kv.copy_pages(pools, cow_src, cow_dst)
+    pools = kv_pools.copy_pages(pools, cow_src, cow_dst)
     out, pools = layer.attn.paged(layer.input_norm(h), positions, pools, 0, slots, meta)
     return layer.feed_forward(h + out), pools
 
@@ -97,7 +98,7 @@ def _whole_step(graphs, params, pools, cow_src, cow_dst, tokens, positions, slot
     return pools.with_bands(moved, rotated), ends.logits(ends.final_norm(h[last]))
 
 
-def _step(graph: Split, pools: kv.KVPools, cow_src, cow_dst, tokens, positions, slots, meta, last):
+def _step(graph: Split, pools: KVPools, cow_src, cow_dst, tokens, positions, slots, meta, last):
     """The device step: one program for a shallow model, else layer by layer (embed, each
     layer's program on its own pages, donated one layer at a time, logits). Returns the pools
     and float32 logits [B, vocab]."""
@@ -115,8 +116,8 @@ def _step(graph: Split, pools: kv.KVPools, cow_src, cow_dst, tokens, positions, 
     return pools.with_bands(moved, rotated), graph.run(last_logits, h, last)
 
 
-_read_pages = jax.jit(kv.read_pages)
-_write_pages = jax.jit(kv.write_pages, donate_argnums=0)
+_read_pages = jax.jit(kv_pools.read_pages)
+_write_pages = jax.jit(kv_pools.write_pages, donate_argnums=0)
 # `read_pages` / `load_pages` move pages in blocks of at most this many (each bucketed)
 PAGE_BLOCK = 256
 

@@ -21,9 +21,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from leyline_jax import kv_pools, paged, rope
 from leyline_jax import kv_state as kv
-from leyline_jax import paged, rope
 from leyline_jax.allocator import EditPlan
+from leyline_jax.kv_pools import KVPools
 from leyline_jax.kv_state import PagedKVState, bucket, padded
 from leyline_jax.model import Split
 from pallas_kernels.dispatch import resolve
@@ -85,7 +86,7 @@ def plan_splice(
 
 # ---- device steps ---------------------------------------------------------------------------
 @functools.partial(jax.jit, static_argnames="impl", donate_argnames="pools")
-def splice_layer(pools: kv.KVPools, runs: Runs, inv_freq, table, *, impl=None) -> kv.KVPools:
+def splice_layer(pools: KVPools, runs: Runs, inv_freq, table, *, impl=None) -> KVPools:
     """`splice_pools` on pools of one layer: the program every layer runs."""
     slots = pools.num_pages * pools.page_size
     (c,), (k,) = splice_rotate(
@@ -101,7 +102,7 @@ def splice_layer(pools: kv.KVPools, runs: Runs, inv_freq, table, *, impl=None) -
     return pools.with_bands([c.reshape(pools.moved[0].shape)], [k.reshape(pools.rotated[0].shape)])
 
 
-def splice_pools(pools: kv.KVPools, runs: Runs, inv_freq, table, *, impl=None) -> kv.KVPools:
+def splice_pools(pools: KVPools, runs: Runs, inv_freq, table, *, impl=None) -> KVPools:
     """Move + rotate slots of every layer's pools along `runs` (i32[M] each: `length` slots
     from `src` to `dst` at positions from `pos_from` to `pos_to`; length 0: padding), by
     `splice_rotate`, one layer at a time (one compiled program for every layer), each pool
@@ -112,9 +113,9 @@ def splice_pools(pools: kv.KVPools, runs: Runs, inv_freq, table, *, impl=None) -
 
 
 @functools.partial(jax.jit, donate_argnames="pools")
-def zero_step(pools: kv.KVPools, pages, slots):
+def zero_step(pools: KVPools, pages, slots):
     """Zero whole pages (i32[K]) and single slots (i32[S]) nobody references any more."""
-    return kv.zero_slots(kv.zero_pages(pools, pages), slots)
+    return kv_pools.zero_slots(kv_pools.zero_pages(pools, pages), slots)
 
 
 @functools.lru_cache(maxsize=8)

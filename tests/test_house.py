@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import leyline_jax as ll
-from leyline_jax import kv_state
+from leyline_jax import kv_pools, kv_state
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("pallas_kernels", "leyline_jax", "checkpoints", "serve", "benchmarks")  # low to high
@@ -162,7 +162,7 @@ def test_page_arithmetic_lives_in_the_allocator():
 def follow_state(model, directives) -> list[str]:
     """The modules of the calls handed the state or its pools during one warm
     `apply_directives` (the state's own methods are reading it, not passing it on)."""
-    kinds = (kv_state.PagedKVState, kv_state.KVPools)
+    kinds = (kv_state.PagedKVState, kv_pools.KVPools)
     root = str(REPO) + os.sep
 
     def run(trace: bool) -> list[str]:

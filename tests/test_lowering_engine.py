@@ -23,9 +23,9 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
+from leyline_jax import kv_pools, paged, splice
 from leyline_jax import kv_state as kv
 from leyline_jax import model as models
-from leyline_jax import paged, splice
 from leyline_jax.loader import config_from_hf
 from leyline_jax.sharding import key_path
 from pallas_kernels.dispatch import lowering_for
@@ -119,8 +119,8 @@ def abstract(name, mesh=None):
         nnx.replace_by_pure_dict(state, pure)
         model = nnx.merge(graphdef, state)
         at = {k: mesh.pool_sharding(v) for k, v in shapes.items()}
-    pools = kv.KVPools(
-        moved=(SDS(shapes["moved"], kv.storage_dtype(jnp.bfloat16), sharding=at["moved"]),),
+    pools = kv_pools.KVPools(
+        moved=(SDS(shapes["moved"], kv_pools.storage_dtype(jnp.bfloat16), sharding=at["moved"]),),
         rotated=(SDS(shapes["rotated"], jnp.float32, sharding=at["rotated"]),),
         page_size=PAGE,
         moved_dtype=jnp.dtype(jnp.bfloat16),
@@ -202,6 +202,6 @@ def test_the_gate_sees_a_step_that_lost_its_kernel(monkeypatch):
     meta = (i32(1), i32(1, PAGES), i32(2), i32(1))
     h = SDS((1, config.hidden_size), jnp.bfloat16)
     args = (graph, leaves, one, h, i32(1), i32(1), i32(1), i32(1), meta)
-    monkeypatch.setattr(kv.KVPools, "kernel_impl", lambda self, impl: "jnp")
+    monkeypatch.setattr(kv_pools.KVPools, "kernel_impl", lambda self, impl: "jnp")
     for platform, call in CALLS.items():
         assert call not in exported(paged.layer_step, args, platform)

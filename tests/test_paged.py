@@ -16,7 +16,7 @@ from conftest import DECODERS, random_tokens
 from test_parity import assert_logits_match, rel_err
 
 import leyline_jax as ll
-from leyline_jax import allocator, paged
+from leyline_jax import allocator, kv_pools, paged
 from leyline_jax import kv_state as kv
 from leyline_jax.model import Split
 
@@ -153,7 +153,7 @@ def test_unused_pages_are_never_read(np_ckpt, kv_dtype):
         if poison:
             nan = {
                 name: tuple(
-                    kv.to_storage(jnp.full(a.shape, jnp.nan), dt)
+                    kv_pools.to_storage(jnp.full(a.shape, jnp.nan), dt)
                     for a in getattr(state.pools, name)
                 )
                 for name, dt in (("moved", state.moved_dtype), ("rotated", state.rotated_dtype))

@@ -19,7 +19,7 @@ import pytest
 
 import leyline_jax as ll
 from checkpoints.tiny import TINY_GQA_CONFIGS, TINY_HF_CONFIGS, write_random_checkpoint
-from leyline_jax import kv_state, paged, splice
+from leyline_jax import kv_pools, paged, splice
 from serve.engine import Engine, SamplingParams, sample
 
 MESHES = [(1, 8), (2, 4), (8, 1)]
@@ -219,6 +219,6 @@ def test_the_layer_step_lowers_under_a_mesh_at_real_shapes(shape, monkeypatch):
     for platform, call in CALLS.items():
         assert call not in exported(paged.layer_step, args, platform)
     if shape == (1, 8):
-        monkeypatch.setattr(kv_state.KVPools, "kernel_impl", lambda self, impl: impl)
+        monkeypatch.setattr(kv_pools.KVPools, "kernel_impl", lambda self, impl: impl)
         with pytest.raises(Exception, match="cannot be automatically partitioned"):
             exported(paged.layer_step, args, "tpu")
