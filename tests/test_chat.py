@@ -6,6 +6,14 @@ from __future__ import annotations
 import pytest
 
 from serve.chat import (
+    ChatTokenizer,
+    close_reply,
+    model_path,
+    render,
+    tokenizer_for,
+    tools_text,
+)
+from serve.chat_formats import (
     ASSISTANT,
     BOS,
     CALLS_BEGIN,
@@ -16,12 +24,6 @@ from serve.chat import (
     IM_START,
     SMOLLM2_SYSTEM,
     USER,
-    ChatTokenizer,
-    close_reply,
-    model_path,
-    render,
-    tokenizer_for,
-    tools_text,
 )
 
 

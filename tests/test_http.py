@@ -32,6 +32,7 @@ from checkpoints.tiny import ensure_default_checkpoints  # noqa: E402
 from leyline_jax import allocator  # noqa: E402
 from leyline_jax.directives import Mode  # noqa: E402
 from serve import chat  # noqa: E402
+from serve.chat_formats import CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, TOOL_SEP  # noqa: E402
 from serve.engine import Engine, SamplingParams  # noqa: E402
 from serve.http import Backend, ServerThread, free_port  # noqa: E402
 from serve.http.text import ModVocabTokenizer, OutputText, parse_tool_calls  # noqa: E402
@@ -213,14 +214,14 @@ def test_tools_render_and_parse(client, base_tokenizer):
 
     # DeepSeek V3 and V3.1 layouts and Hermes blocks parse back into tool_calls
     v3 = (
-        f"Let me check.{chat.CALLS_BEGIN}{chat.CALL_BEGIN}function{chat.TOOL_SEP}get_weather\n"
-        f'```json\n{{"city": "Oslo"}}\n```{chat.CALL_END}{chat.CALLS_END}'
+        f"Let me check.{CALLS_BEGIN}{CALL_BEGIN}function{TOOL_SEP}get_weather\n"
+        f'```json\n{{"city": "Oslo"}}\n```{CALL_END}{CALLS_END}'
     )
     content, calls = parse_tool_calls(v3)
     assert content == "Let me check." and len(calls) == 1
     assert calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
-    v31 = f'{chat.CALLS_BEGIN}{chat.CALL_BEGIN}a{chat.TOOL_SEP}{{"x": 1}}{chat.CALL_END}'
-    v31 += f"{chat.CALL_BEGIN}b{chat.TOOL_SEP}{{}}{chat.CALL_END}"  # cut before CALLS_END
+    v31 = f'{CALLS_BEGIN}{CALL_BEGIN}a{TOOL_SEP}{{"x": 1}}{CALL_END}'
+    v31 += f"{CALL_BEGIN}b{TOOL_SEP}{{}}{CALL_END}"  # cut before CALLS_END
     assert [c["function"]["name"] for c in parse_tool_calls(v31)[1]] == ["a", "b"]
     hermes = 'ok<tool_call>\n{"name": "f", "arguments": {"q": 2}}\n</tool_call>'
     content, calls = parse_tool_calls(hermes)

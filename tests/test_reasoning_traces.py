@@ -12,15 +12,17 @@ import pytest
 from benchmarks import traces
 from checkpoints.tiny import ensure_default_checkpoints
 from serve.chat import (
-    CHATML,
-    DEEPSEEK,
-    THINK_CLOSE,
-    THINK_OPEN,
     ChatTokenizer,
     close_reply,
     render,
     render_reply,
     tokenizer_for,
+)
+from serve.chat_formats import (
+    CHATML,
+    DEEPSEEK,
+    THINK_CLOSE,
+    THINK_OPEN,
 )
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 
-from serve import chat
+from serve.chat_formats import CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, TOOL_SEP
 from serve.http.errors import APIError
 from serve.http.schema import NamedToolChoice
 
@@ -91,12 +91,12 @@ def _hermes(names, tools) -> str:
 
 def _deepseek(names, tools, tok) -> str:
     """DeepSeek's call: special tokens by id, the name, the arguments in a json fence."""
-    sp = {s: f"<[{tok.special(s)}]>" for s in (chat.CALL_BEGIN, chat.TOOL_SEP, chat.CALL_END)}
+    sp = {s: f"<[{tok.special(s)}]>" for s in (CALL_BEGIN, TOOL_SEP, CALL_END)}
     rules = [f"call: {' | '.join(f'call{i}' for i in range(len(names)))}"]
     for i, n in enumerate(names):
         fence = json.dumps(f"{n}\n```json\n")  # a Lark string: JSON's escapes
-        head = f'{sp[chat.CALL_BEGIN]} "function" {sp[chat.TOOL_SEP]} {fence}'
-        rules.append(f'call{i}: {head} args{i} "\\n```" {sp[chat.CALL_END]}')
+        head = f'{sp[CALL_BEGIN]} "function" {sp[TOOL_SEP]} {fence}'
+        rules.append(f'call{i}: {head} args{i} "\\n```" {sp[CALL_END]}')
         rules.append(f"args{i}: %json {json.dumps(tools[n])}")
     return "\n".join(rules) + "\n"
 
@@ -105,5 +105,5 @@ def _start(one: bool, chatml: bool, tok) -> str:
     calls = "call" if one else ('call ("\\n" call)*' if chatml else "call+")
     if chatml:
         return f"start: {calls}\n"
-    begin, end = (f"<[{tok.special(s)}]>" for s in (chat.CALLS_BEGIN, chat.CALLS_END))
+    begin, end = (f"<[{tok.special(s)}]>" for s in (CALLS_BEGIN, CALLS_END))
     return f"start: {begin} {calls} {end}\n"

@@ -10,7 +10,7 @@ import re
 import uuid
 from collections.abc import Sequence
 
-from serve import chat
+from serve.chat_formats import CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, TOOL_SEP
 
 
 # ---- tokenizers ---------------------------------------------------------------------------
@@ -42,7 +42,7 @@ HERMES_BEGIN, HERMES_END = "<tool_call>", "</tool_call>"
 
 def tool_markers(tokenizer) -> tuple[str, ...]:
     """The text that opens a tool call in the tokenizer's chat format."""
-    return (HERMES_BEGIN,) if tokenizer.format.name == "chatml" else (chat.CALLS_BEGIN,)
+    return (HERMES_BEGIN,) if tokenizer.format.name == "chatml" else (CALLS_BEGIN,)
 
 
 def _fenced(text: str) -> str:
@@ -70,14 +70,14 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
     content, with no calls, except a last Hermes block the budget cut (no closing tag) after
     complete ones: it is dropped and the complete calls kept (the finish reason says "length")."""
     calls: list[dict] = []
-    if chat.CALLS_BEGIN in text:
-        content, rest = text.split(chat.CALLS_BEGIN, 1)
-        rest = rest.split(chat.CALLS_END, 1)[0]
-        for body in rest.split(chat.CALL_BEGIN)[1:]:
-            body = body.split(chat.CALL_END, 1)[0]
-            if chat.TOOL_SEP not in body:
+    if CALLS_BEGIN in text:
+        content, rest = text.split(CALLS_BEGIN, 1)
+        rest = rest.split(CALLS_END, 1)[0]
+        for body in rest.split(CALL_BEGIN)[1:]:
+            body = body.split(CALL_END, 1)[0]
+            if TOOL_SEP not in body:
                 return text, []
-            left, right = body.split(chat.TOOL_SEP, 1)
+            left, right = body.split(TOOL_SEP, 1)
             if left.strip() in ("function", ""):  # V3: type, then "name\n```json ...```"
                 name, _, args = right.partition("\n")
             else:  # V3.1: name, then the arguments
