@@ -19,7 +19,7 @@ from pydantic import Field
 from serve.http.auth import scoped
 from serve.http.commands import Answer, Close, Import, Snapshot
 from serve.http.errors import APIError, unavailable
-from serve.http.extensions import SESSION_ID, _Closed
+from serve.http.extensions import SESSION_ID, Closed
 from serve.http.worker import SessionBusy
 from serve.multihost import Lockstep
 
@@ -40,7 +40,7 @@ async def engine_call(worker, make) -> object:
             raise unavailable()
 
 
-class ImportBody(_Closed):
+class ImportBody(Closed):
     snapshot_dir: str = Field(min_length=1, max_length=4096)  # a snapshot another server took
 
 

@@ -16,13 +16,13 @@ from serve.engine import OWN_LINEAGE
 SESSION_ID = dict(min_length=1, max_length=256, pattern=r"^[!-~]+$")
 
 
-class _Closed(BaseModel):
+class Closed(BaseModel):
     """Our own objects: an unknown field is a mistake, reported by name."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-class MessageDirective(_Closed):
+class MessageDirective(Closed):
     """An explicit edit of the history the request sends, in messages (clients do not know
     token ids): messages `messages[0]` to `messages[1]` (inclusive indices into the request's
     `messages`) become one message, the first's role, whose content is `replacement` (its tool
@@ -50,7 +50,7 @@ class MessageDirective(_Closed):
         return tuple(v)
 
 
-class LeylineOptions(_Closed):
+class LeylineOptions(Closed):
     """`leyline`: `mode`, "amortize" (default) or "forget", for the edit the server finds by
     diffing the re-sent history against the session; `directives`, explicit message-granular
     edits; `return_token_ids`, also return the prompt's and the completion's token ids;
@@ -85,7 +85,7 @@ class LeylineOptions(_Closed):
 
 
 # ---- Anthropic's context editing ------------------------------------------------------------
-class _Count(_Closed):
+class _Count(Closed):
     value: int = Field(ge=0, le=2**31)
 
 
@@ -97,7 +97,7 @@ class ToolUses(_Count):
     type: Literal["tool_uses"]
 
 
-class ClearToolUsesEdit(_Closed):
+class ClearToolUsesEdit(Closed):
     """`clear_tool_uses_20250919`, with Anthropic's defaults: when the history reaches
     `trigger` (100,000 input tokens), the oldest tool results but the `keep` most recent (3)
     are replaced by a stub, unless that would clear fewer than `clear_at_least` input tokens;
@@ -115,5 +115,5 @@ class ClearToolUsesEdit(_Closed):
     clear_tool_inputs: bool | list[str] = False
 
 
-class ContextManagement(_Closed):
+class ContextManagement(Closed):
     edits: list[ClearToolUsesEdit] = Field(max_length=1)
