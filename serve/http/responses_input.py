@@ -13,16 +13,16 @@ from pydantic import Field, ValidationError
 
 from serve.http.errors import APIError, validation_param
 from serve.http.extensions import SESSION_ID, LeylineOptions
-from serve.http.schema import ChatCompletionRequest, _Open
+from serve.http.schema import ChatCompletionRequest, Open
 
 MAX_STORED = 10_000  # per tenant
 
 
-class TextOptions(_Open):
+class TextOptions(Open):
     format: dict[str, Any] | None = None  # a `response_format`, flat
 
 
-class ResponsesRequest(_Open):
+class ResponsesRequest(Open):
     model: str = Field(min_length=1)
     input: str | list[dict[str, Any]]
     instructions: str | None = None

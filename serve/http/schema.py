@@ -26,24 +26,24 @@ from serve.http.extensions import SESSION_ID, ContextManagement, LeylineOptions
 MAX_STOP = 4  # as OpenAI
 
 
-class _Open(BaseModel):
+class Open(BaseModel):
     """OpenAI's objects: unknown fields are accepted (and ignored)."""
 
     model_config = ConfigDict(extra="allow", strict=True)
 
 
-class FunctionCall(_Open):
+class FunctionCall(Open):
     name: str = Field(min_length=1)
     arguments: str | dict[str, Any] = "{}"
 
 
-class ToolCall(_Open):
+class ToolCall(Open):
     id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ContentPart(_Open):
+class ContentPart(Open):
     type: str
     text: str | None = None
 
@@ -56,7 +56,7 @@ class ContentPart(_Open):
         return self
 
 
-class Message(_Open):
+class Message(Open):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -94,28 +94,28 @@ class Message(_Open):
         return d
 
 
-class FunctionDef(_Open):
+class FunctionDef(Open):
     name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class Tool(_Open):
+class Tool(Open):
     type: Literal["function"]
     function: FunctionDef
 
 
-class NamedFunction(_Open):
+class NamedFunction(Open):
     name: str = Field(min_length=1)
 
 
-class NamedToolChoice(_Open):
+class NamedToolChoice(Open):
     type: Literal["function"]
     function: NamedFunction
 
 
-class StreamOptions(_Open):
+class StreamOptions(Open):
     include_usage: bool = False
 
 
@@ -147,14 +147,14 @@ def _stops(v):
     return stops
 
 
-class JsonSchemaFormat(_Open):
+class JsonSchemaFormat(Open):
     name: str = Field(pattern=r"^[A-Za-z0-9_\-]{1,64}$")
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(_Open):
+class ResponseFormat(Open):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -170,7 +170,7 @@ class ResponseFormat(_Open):
 _NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1}
 
 
-class _Sampling(_Open):
+class _Sampling(Open):
     model: str = Field(min_length=1)
     temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)

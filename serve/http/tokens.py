@@ -10,10 +10,10 @@ from pydantic import Field, field_validator
 
 from serve import chat
 from serve.http.errors import APIError
-from serve.http.schema import Message, Tool, _Open, text_only
+from serve.http.schema import Message, Open, Tool, text_only
 
 
-class TokenizeRequest(_Open):
+class TokenizeRequest(Open):
     model: str | None = None
     prompt: str | None = None
     messages: list[Message] | None = Field(None, min_length=1)
@@ -26,7 +26,7 @@ class TokenizeRequest(_Open):
         return v if v is None else text_only(v)
 
 
-class DetokenizeRequest(_Open):
+class DetokenizeRequest(Open):
     model: str | None = None
     tokens: list[int] = Field(max_length=1 << 20)
 
