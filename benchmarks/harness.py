@@ -5,7 +5,7 @@ Timing: `times` samples the wall seconds of a callable whose result is blocked o
 (`jax.block_until_ready`: dispatch is asynchronous), after `warmup` calls (compiles excluded);
 `median_time` is their median, `interleaved` the medians of several callables run in turns (a
 shared machine's changing load falls on all of them alike), `timed` the seconds of one call
-(`clocked`: and its result).
+(`clocked`: and its result). `decode_step_times`: an engine's steps while its turns decode.
 
 Floors: the rates a benchmark holds its work to, measured in its own run, each a median of 5
 samples: `copy_bandwidth` (an fp32 `x + 1` pass in place on a donated buffer and, with
@@ -95,6 +95,25 @@ def interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str,
         for name, fn in fns.items():
             samples[name].append(timed(fn))
     return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def decode_step_times(engine, prompts, sampling, steps: int) -> tuple[list[float], list]:
+    """(the wall seconds of each of `steps` engine steps once every turn decodes, the turns):
+    one session a prompt of `prompts`, each turn with `sampling` (a budget past 2 + `steps`);
+    the turns are cancelled and their sessions closed afterwards."""
+    sids = [engine.open_session() for _ in prompts]
+    reqs = [engine.submit(s, p, sampling=sampling) for s, p in zip(sids, prompts, strict=True)]
+    while any(len(r.output) < 2 for r in reqs):
+        engine.step()
+    ts = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        engine.step()
+        ts.append(time.perf_counter() - t)
+    for r, s in zip(reqs, sids, strict=True):
+        engine.cancel(r)
+        engine.close_session(s)
+    return ts, reqs
 
 
 # ---- floors -------------------------------------------------------------------------------------

@@ -133,25 +133,11 @@ def mask_cost(engine: Engine, grammars, replies: list[list[int]], steps: int) ->
     rng = np.random.default_rng(0)
 
     def decode_steps(grammar) -> float:
-        sids = [engine.open_session() for _ in range(8)]
+        prompts = [rng.integers(0, 49152, 64).tolist() for _ in range(8)]
         # a budget the measured steps stay inside but near: the close is planned in each step
         # (`serve.grammar.CLOSE_WITHIN`), no row is closed and ended by it
-        reqs = [
-            engine.submit(s, rng.integers(0, 49152, 64).tolist(),
-                          sampling=SamplingParams(steps + 64, grammar=grammar))
-            for s in sids
-        ]  # fmt: skip
-        while any(len(r.output) < 2 for r in reqs):
-            engine.step()
-        ts = []
-        for _ in range(steps):
-            t = time.perf_counter()
-            engine.step()
-            ts.append(time.perf_counter() - t)
-        for r, s in zip(reqs, sids, strict=True):
-            engine.cancel(r)
-            engine.close_session(s)
-        return statistics.median(ts)
+        sp = SamplingParams(steps + 64, grammar=grammar)
+        return statistics.median(harness.decode_step_times(engine, prompts, sp, steps)[0])
 
     plain = decode_steps(None)
     grammar = grammars.json_schema(None)

@@ -1,6 +1,7 @@
 """Sampling: what a turn asks for (`SamplingParams`, checked when made) and the one jitted draw
 per step (`sample`), whose key depends on (seed, step) only, so a row draws the same token
-whatever batch it is in."""
+whatever batch it is in; and, for the turns that ask, the drawn tokens' log-probabilities
+(`token_logprobs`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,10 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+# the most alternatives a token's log-probability comes with (`SamplingParams.logprobs`; as
+# vLLM's default `max_logprobs`, OpenAI's `top_logprobs` bound)
+MAX_LOGPROBS = 20
 
 
 def is_int(v) -> bool:
@@ -29,7 +34,9 @@ class SamplingParams:
     stop_tokens: token ids (any sequence of non-negative ints; kept as a tuple). seed: in
     [0, 2**32): with (seed, step) it fixes a sampled row's draw, whatever batch it is in.
     grammar: a `serve.grammar.Grammar` the output must follow (None: unconstrained); its end
-    is a stop token, so give the stop tokens its `Grammars` was made with."""
+    is a stop token, so give the stop tokens its `Grammars` was made with. logprobs: None (none),
+    or k in [0, MAX_LOGPROBS]: each generated token's log-probability and the k most likely
+    tokens' (`Request.logprobs`; `token_logprobs`)."""
 
     max_new_tokens: int = 16
     temperature: float = 0.0  # 0: greedy
@@ -37,6 +44,7 @@ class SamplingParams:
     stop_tokens: tuple[int, ...] = ()
     seed: int = 0
     grammar: object = None
+    logprobs: int | None = None
 
     def __post_init__(self):
         if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
@@ -49,6 +57,9 @@ class SamplingParams:
             raise ValueError(f"seed={self.seed!r} must be an integer in [0, 2**32)")
         if self.grammar is not None and not callable(getattr(self.grammar, "matcher", None)):
             raise ValueError(f"grammar={self.grammar!r} must be a serve.grammar.Grammar")
+        lp = self.logprobs
+        if lp is not None and (not is_int(lp) or not 0 <= lp <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs={lp!r} must be None or an integer in [0, {MAX_LOGPROBS}]")
         stops = self.stop_tokens
         if isinstance(stops, (str, bytes)) or not isinstance(stops, (Sequence, np.ndarray)):
             raise ValueError(f"stop_tokens={stops!r} must be a sequence of token ids")
@@ -60,6 +71,7 @@ class SamplingParams:
             ("top_p", float(self.top_p)),
             ("seed", int(self.seed)),
             ("stop_tokens", tuple(int(t) for t in stops)),
+            ("logprobs", None if lp is None else int(lp)),
         ):
             object.__setattr__(self, name, value)
 
@@ -109,3 +121,15 @@ def sample(logits, temperature, top_p, seed, step, mask=None):
 
     args = (logits, temperature, top_p, seed, step)
     return jax.lax.cond(jnp.any(temperature > 0), jax.vmap(row), greedy, *args)
+
+
+@jax.jit
+def token_logprobs(logits, tokens):
+    """(log p(tokens[b]) under row b, the MAX_LOGPROBS most likely tokens' ids and log p, most
+    likely first) for f32[B, V] logits and i32[B] tokens: the model's own distribution (the
+    log-softmax of the logits), before temperature, top-p or a grammar's mask, as vLLM reports
+    by default. Run only for steps where a turn asks (`SamplingParams.logprobs`)."""
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(lp, tokens[:, None].astype(jnp.int32), axis=-1)[:, 0]
+    top_lp, top_ids = jax.lax.top_k(lp, min(MAX_LOGPROBS, logits.shape[-1]))
+    return chosen, top_ids, top_lp

@@ -168,6 +168,7 @@ def tiny_server(tmp_path_factory):
     engine = Engine(ll.load_model(path), num_pages=256, page_size=16, max_seqs=4,
                     kv_dtype=jnp.float32)  # fmt: skip
     with ServerThread(Backend.for_engine(engine, chat.ChatTokenizer(), "tiny")) as srv:
+        srv.checkpoint = path  # what it serves, for a reference model
         yield srv
 
 

@@ -23,8 +23,9 @@ from serve.http import Backend, ServerThread  # noqa: E402
 
 EXAMPLES = 170  # per operation and generation mode (those with few distinct inputs run fewer)
 MINIMUM = 1000
-REFUSED = ("logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
-           "repetition_penalty", "logit_bias", "response_format", "tool_choice")  # fmt: skip
+# refused unless neutral, or (top_logprobs) unless another field is set
+REFUSED = ("top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
+           "logit_bias", "response_format", "tool_choice")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -50,10 +51,9 @@ def operations(server):
 def check(case, server, gen, counts: collections.Counter) -> None:
     if gen is schemathesis.GenerationMode.POSITIVE and isinstance(case.body, dict):
         # let valid bodies reach the engine: the one model served, and what the schema cannot
-        # say (only an assistant message may lack `content`; the `REFUSED` fields are refused
-        # unless neutral), so that the share reaching it does not hang on which constants
-        # Hypothesis harvested from the modules this process imported (it draws dict keys and
-        # strings from them)
+        # say (only an assistant message may lack `content`; the `REFUSED` fields), so that
+        # the share reaching it does not hang on which constants Hypothesis harvested from the
+        # modules this process imported (it draws dict keys and strings from them)
         case.body["model"] = "tiny"
         for field in REFUSED:
             case.body.pop(field, None)

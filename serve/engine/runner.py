@@ -8,7 +8,8 @@
   their budget finish (SCRATCH spans are spliced out of their sessions then).
 - `warmup_plan`: every shape those steps can take, to compile up front.
 
-The sampled tokens are the only thing a step reads back from the device.
+The sampled tokens are the only thing a step reads back from the device (and their
+log-probabilities, in a step where a turn asks for them).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from serve.engine.planner import KVPlan, TurnPlan
 from serve.engine.pool import Pool
 from serve.engine.sessions import SessionTable
 from serve.engine.types import Request, Session, Status
-from serve.sampling import grammar_masks, mask_words, sample
+from serve.sampling import grammar_masks, mask_words, sample, token_logprobs
 
 
 class Runner:
@@ -235,14 +236,19 @@ class Runner:
                 logits.shape,
             ),
         )
-        with jax.transfer_guard_device_to_host("allow"):  # the one read a step makes
+        asked = any(rows[i].sampling.logprobs is not None for i in emit)
+        with jax.transfer_guard_device_to_host("allow"):  # the reads a step makes
+            lps = [np.asarray(a) for a in token_logprobs(logits, toks)] if asked else None
             toks = np.asarray(toks)
         now = time.perf_counter()
-        for r, t in ((rows[i], int(toks[i])) for i in emit):
+        for i, r, t in ((i, rows[i], int(toks[i])) for i in emit):
             if r.matcher is not None and not r.matcher.accept(t):  # it allowed no token
                 self.finish(r, now)  # the reply ends where its grammar could go no further
                 continue
             r.output.append(t)
+            if (k := r.sampling.logprobs) is not None:
+                top = zip(lps[1][i, :k].tolist(), lps[2][i, :k].tolist(), strict=True)
+                r.logprobs.append((float(lps[0][i]), tuple(top)))
             r.session.tokens.append(t)
             r.session.last_used = now
             if r.stats.first_token_s is None:
@@ -284,7 +290,8 @@ class Runner:
         ]
         vocab = pool.model.config.vocab_size
         logits = jnp.zeros((rows, vocab), jnp.float32)
-        jax.block_until_ready(sample(logits, *cols, None))  # as `_emit` calls it: no mask
+        toks = sample(logits, *cols, None)  # as `_emit` calls it: no mask
+        jax.block_until_ready(token_logprobs(logits, toks))  # a step with logprobs asked
         masks = jnp.asarray(np.full((rows, mask_words(vocab)), -1, np.int32))
         jax.block_until_ready(sample(logits, *cols, masks))  # a step with a constrained row
 

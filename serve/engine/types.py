@@ -73,6 +73,9 @@ class Request:
         self.matcher = None if grammar is None else grammar.matcher()  # its parse state
         self.status = Status.QUEUED
         self.output: list[int] = []
+        # per generated token, when its sampling asks (`SamplingParams.logprobs` = k): (its
+        # log-probability, ((id, log-probability) of the k most likely tokens, most likely first))
+        self.logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] = []
         self.error: Exception | None = None
         self.stats = TurnStats(submitted_s=time.perf_counter())
         self.pending: list[int] = []  # prompt tokens not yet in the KV

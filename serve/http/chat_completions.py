@@ -20,7 +20,7 @@ from fastapi import Request
 
 from leyline_jax.directives import Mode, apply_to_list
 from serve import chat
-from serve.http import formats
+from serve.http import formats, logprobs
 from serve.http.errors import APIError
 from serve.http.history import edit_messages, token_directives
 from serve.http.schema import ChatCompletionRequest
@@ -95,9 +95,9 @@ class ChatReply(Reply):
         fin = super().finish_reason(output)
         return "tool_calls" if calls and fin == "stop" else fin
 
-    def _chunk(self, delta, finish=None, usage_=None, choices=True) -> dict:
+    def _chunk(self, delta, finish=None, usage_=None, choices=True, lps=None) -> dict:
         c = dict(self.head)
-        one = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        one = {"index": 0, "delta": delta, "logprobs": lps, "finish_reason": finish}
         c["choices"] = [one] if choices else []
         if usage_ is not None:
             c["usage"] = usage_
@@ -118,14 +118,20 @@ class ChatReply(Reply):
             extra["context_management"] = {"applied_edits": self.turn.applied_edits}
         return content, calls, extra
 
+    def _logprobs(self, out: Outcome) -> dict | None:
+        """The choice's `logprobs` for the tokens not yet reported (None: not asked)."""
+        if self.req.logprobs_k is None:
+            return None
+        return {"content": logprobs.chat_content(self.text.tok, *out.fresh_logprobs())}
+
     def opening(self) -> list[dict]:
         return [data(self._chunk({"role": "assistant", "content": ""}))]
 
-    def delta(self, text: str) -> dict:
-        return data(self._chunk({"content": text}))
+    def delta(self, text: str, out: Outcome | None = None) -> dict:
+        return data(self._chunk({"content": text}, lps=out and self._logprobs(out)))
 
     def closing(self, out: Outcome) -> list[dict]:
-        text, events = self.text, []
+        text, events, lps = self.text, [], self._logprobs(out)
         delta = text.update(out.output, final=True)
         if delta:
             events.append(self._chunk({"content": delta}))
@@ -140,6 +146,7 @@ class ChatReply(Reply):
         use = usage(out.stats, len(out.output))
         opts = self.req.stream_options
         events.append(self._chunk({}, fin))
+        events[0]["choices"][0]["logprobs"] = lps  # the tokens' not yet reported
         if opts is not None and opts.include_usage:  # usage only when asked, as OpenAI
             events.append(self._chunk({}, usage_=use, choices=False))
         events[-1].update(extra)
@@ -152,7 +159,8 @@ class ChatReply(Reply):
         if calls:
             message["tool_calls"] = calls
         fin = self.finish_reason(out.output, calls)
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": fin}
+        lps = self._logprobs(out)
+        choice = {"index": 0, "message": message, "logprobs": lps, "finish_reason": fin}
         body = dict(self.head, object="chat.completion", choices=[choice])
         body["usage"] = usage(out.stats, len(out.output))
         body["session_id"] = self.key

@@ -8,7 +8,7 @@ import asyncio
 
 from fastapi import Request
 
-from serve.http import formats
+from serve.http import formats, logprobs
 from serve.http.errors import APIError
 from serve.http.schema import CompletionRequest
 from serve.http.text import OutputText
@@ -23,6 +23,7 @@ class TextReply(Reply):
     def __init__(self, req, caller: Caller, prompt, text: OutputText, model_name: str):
         super().__init__(req, caller, text, model_name)
         self.prompt = prompt
+        self.offset = 0  # where the next reported token's text starts (`text_offset`)
 
     def _body(self, choices, out: Outcome | None = None, with_usage: bool = True) -> dict:
         b = dict(self.head, choices=choices)
@@ -33,16 +34,24 @@ class TextReply(Reply):
             b["leyline"] = self.leyline(self.prompt, out.output)
         return b
 
-    @staticmethod
-    def _choice(text: str, finish=None) -> dict:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    def _logprobs(self, out: Outcome) -> dict | None:
+        """The choice's `logprobs` for the tokens not yet reported (None: not asked)."""
+        if self.req.logprobs_k is None:
+            return None
+        lps = logprobs.completion(self.text.tok, *out.fresh_logprobs(), self.offset)
+        self.offset += sum(map(len, lps["tokens"]))
+        return lps
 
-    def delta(self, text: str) -> dict:
-        return data(self._body([self._choice(text)]))
+    def _choice(self, text: str, out: Outcome | None, finish=None) -> dict:
+        lps = out and self._logprobs(out)
+        return {"index": 0, "text": text, "logprobs": lps, "finish_reason": finish}
+
+    def delta(self, text: str, out: Outcome | None = None) -> dict:
+        return data(self._body([self._choice(text, out)]))
 
     def closing(self, out: Outcome) -> list[dict]:
         delta = self.text.update(out.output, final=True)
-        last = self._choice(delta, self.finish_reason(out.output))
+        last = self._choice(delta, out, self.finish_reason(out.output))
         opts = self.req.stream_options
         if opts is not None and opts.include_usage:
             return [data(self._body([last])), data(self._body([], out))]
@@ -51,7 +60,7 @@ class TextReply(Reply):
     def body(self, out: Outcome) -> dict:
         self.text.update(out.output, final=True)
         fin = self.finish_reason(out.output)
-        return self._body([self._choice(self.text.text, fin)], out)
+        return self._body([self._choice(self.text.text, out, fin)], out)
 
 
 def add_route(app, turns: Turns) -> None:

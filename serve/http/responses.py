@@ -148,7 +148,7 @@ class ResponsesReply(ChatReply):
             ),
         ]
 
-    def delta(self, text: str) -> dict:
+    def delta(self, text: str, out: Outcome | None = None) -> dict:
         return self._event(
             "response.output_text.delta",
             item_id=self.mid,

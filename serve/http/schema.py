@@ -4,10 +4,12 @@ Bodies are pydantic models in strict mode (nothing coerced: `"4"` or `4.0` is no
 `"false"` not a boolean): a field that fails validation becomes a 400 whose error names it
 (`error.param`, a dotted path such as `messages.1.role`). Fields of the OpenAI API the server
 does not need (`user`, `metadata`, `parallel_tool_calls`, ...) are accepted and ignored, as
-OpenAI-compatible servers do; fields whose meaning it cannot honour (`n` > 1, `logprobs`,
-`top_logprobs`, `echo`, penalties other than neutral, `logit_bias`, non-text content parts)
-are refused by name. `response_format` (`json_object`, `json_schema`) and `tool_choice`
-("required", a named function) are enforced by `serve.http.formats`.
+OpenAI-compatible servers do; fields whose meaning it cannot honour (`n` > 1, `echo`,
+penalties other than neutral, `logit_bias`, non-text content parts) are refused by name.
+`logprobs` (chat: with `top_logprobs`; completions: the number of alternatives) reports the
+model's own log-probabilities (`serve.http.logprobs`). `response_format` (`json_object`,
+`json_schema`) and `tool_choice` ("required", a named function) are enforced by
+`serve.http.formats`.
 
 Beside OpenAI's fields: `session_id` (also the `X-Session-Id` header) names the conversation
 the request continues; `leyline` (the edit channel) and `context_management` (Anthropic's
@@ -22,6 +24,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from serve.http.extensions import SESSION_ID, ContextManagement, LeylineOptions
+from serve.sampling import MAX_LOGPROBS
 
 MAX_STOP = 4  # as OpenAI
 
@@ -179,13 +182,11 @@ class _Sampling(Open):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logprobs: bool | int | None = None
     ignore_eos: bool = False
     presence_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
     frequency_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
     repetition_penalty: float | None = Field(None, gt=0, allow_inf_nan=False)  # vLLM's
     logit_bias: dict[str, float] | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: ResponseFormat | None = None
     session_id: str | None = Field(None, **SESSION_ID)
     cache_salt: str | None = Field(None, min_length=1, max_length=256)  # as vLLM's
@@ -197,13 +198,6 @@ class _Sampling(Open):
         _stops(v)
         return v
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v):
-        if v not in (None, False, 0):
-            raise ValueError("logprobs are not supported")
-        return v
-
     @field_validator(*_NEUTRAL)
     @classmethod
     def _no_penalties(cls, v, info):
@@ -213,7 +207,7 @@ class _Sampling(Open):
             )
         return v
 
-    _no_logit_extras = field_validator("logit_bias", "top_logprobs")(classmethod(_refused))
+    _no_logit_bias = field_validator("logit_bias")(classmethod(_refused))
 
     @property
     def stops(self) -> list[str]:
@@ -233,6 +227,21 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     context_management: ContextManagement | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, v, info):
+        if v is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return v
+
+    @property
+    def logprobs_k(self) -> int | None:
+        """`SamplingParams.logprobs`: None (not asked), else how many alternatives a token
+        comes with."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def max_new(self) -> tuple[int | None, str]:
@@ -249,6 +258,11 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # alternatives a token comes with
+
+    @property
+    def logprobs_k(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod

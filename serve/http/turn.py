@@ -56,6 +56,14 @@ class Outcome:
     output: list[int] = dataclasses.field(default_factory=list)  # the generated token ids
     stats: object = None  # TurnStats, once the turn ended
     gone: bool = False  # the client went away first
+    logprobs: list = dataclasses.field(default_factory=list)  # `Request.logprobs`, if asked
+    logprobs_sent: int = 0  # ... of them in the answer so far (a stream's)
+
+    def fresh_logprobs(self) -> tuple[list[int], list]:
+        """(the tokens, their log-probability entries) not yet in the answer, now counted in."""
+        a = self.logprobs_sent
+        self.logprobs_sent = len(self.logprobs)
+        return self.output[a : self.logprobs_sent], self.logprobs[a:]
 
 
 class Reply:
@@ -104,8 +112,8 @@ class Reply:
     def opening(self) -> list[dict]:  # SSE events before the first delta
         return []
 
-    def delta(self, text: str) -> dict:  # the SSE event carrying new text
-        raise NotImplementedError
+    def delta(self, text: str, out: Outcome | None = None) -> dict:  # the SSE event carrying
+        raise NotImplementedError  # new text (and, where asked, `out`'s fresh log-probabilities)
 
     def closing(self, out: Outcome) -> list[dict]:  # SSE events after the last delta
         raise NotImplementedError
@@ -185,6 +193,7 @@ class Turns:
             seed=req.seed or 0,
             stop_tokens=() if req.ignore_eos else self.backend.tokenizer.stop_tokens,
             grammar=grammar,
+            logprobs=req.logprobs_k,
         )
 
     def start(self, prompt, sampling, req, caller: Caller, directives=()) -> Job:
@@ -223,7 +232,7 @@ class Turns:
                 yield ev
             try:
                 async for delta in self._deltas(job, request, reply, out):
-                    yield reply.delta(delta)
+                    yield reply.delta(delta, out)
             except APIError as e:
                 yield data(e.body())
                 yield {"data": "[DONE]"}
@@ -271,6 +280,7 @@ class Turns:
         async for ev in self._events(job, request):
             if ev[0] == "tokens":
                 out.output += ev[1]
+                out.logprobs += ev[2]
                 delta = text.update(out.output)
                 if text.stopped:
                     self.worker.cancel(job, stop=True)

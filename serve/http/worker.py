@@ -267,7 +267,7 @@ class EngineWorker:
         for job in list(self.jobs):
             r = job.request
             if len(r.output) > job.sent and (job.incremental or r.finished):
-                job.post("tokens", list(r.output[job.sent :]))
+                job.post("tokens", r.output[job.sent :], r.logprobs[job.sent :])
                 job.sent = len(r.output)
             if r.finished:
                 if r.error is None:
