@@ -17,6 +17,7 @@ line, `KEY` or `TENANT KEY`, blank lines and `#` comments ignored.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import re
@@ -141,3 +142,17 @@ def salt(tenant: str, cache_salt: str | None) -> str:
 def scoped(tenant: str, name: str | None) -> str | None:
     """The key the server keeps a tenant's session name under (a name has no spaces)."""
     return name if name is None or not tenant else f"{tenant} {name}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Caller:
+    """Who asks (the key's tenant) and the session it names (None: a
+    session of its own for this turn)."""
+
+    tenant: str
+    name: str | None
+
+    @property
+    def key(self) -> str | None:
+        """The session's key in `HttpSessions` (its name within the tenant's)."""
+        return scoped(self.tenant, self.name)

@@ -21,11 +21,13 @@ from fastapi import Request
 from leyline_jax.directives import Mode, apply_to_list
 from serve import chat
 from serve.http import formats, logprobs
+from serve.http.auth import Caller
 from serve.http.errors import APIError
 from serve.http.history import edit_messages, token_directives
+from serve.http.reply import Outcome, Reply, data, usage
 from serve.http.schema import ChatCompletionRequest
 from serve.http.text import OutputText, parse_tool_calls, tool_markers
-from serve.http.turn import Caller, Outcome, Reply, SessionHeader, Turns, data, usage
+from serve.http.turn import SessionHeader, Turns
 
 
 @dataclasses.dataclass

@@ -9,10 +9,12 @@ import asyncio
 from fastapi import Request
 
 from serve.http import formats, logprobs
+from serve.http.auth import Caller
 from serve.http.errors import APIError
+from serve.http.reply import Outcome, Reply, data, usage
 from serve.http.schema import CompletionRequest
 from serve.http.text import OutputText
-from serve.http.turn import Caller, Outcome, Reply, SessionHeader, Turns, data, usage
+from serve.http.turn import SessionHeader, Turns
 
 
 class TextReply(Reply):

@@ -26,6 +26,7 @@ from fastapi import Request
 from serve.http import formats
 from serve.http.chat_completions import ChatReply, render
 from serve.http.errors import APIError
+from serve.http.reply import Outcome, data, usage
 from serve.http.responses_input import (
     ResponsesRequest,
     Stored,
@@ -34,7 +35,7 @@ from serve.http.responses_input import (
     renamed,
 )
 from serve.http.text import OutputText, tool_markers
-from serve.http.turn import Outcome, SessionHeader, Turns, data, usage
+from serve.http.turn import SessionHeader, Turns
 
 
 class ResponsesReply(ChatReply):
