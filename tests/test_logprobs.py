@@ -140,3 +140,23 @@ def test_bad_logprobs_are_named(client, route, body, field):
         else:
             client.completions.create(model="tiny", prompt="hi", max_tokens=2, extra_body=body)
     assert e.value.status_code == 400 and e.value.body["param"] == field, e.value.body
+
+
+def test_responses_logprobs_whole_and_streamed(client, tiny_server, hf_model):
+    kw = dict(model="tiny", input="Name a river.", max_output_tokens=5, temperature=0)
+    asked = dict(include=["message.output_text.logprobs"], top_logprobs=2)
+    r = client.responses.create(**kw, **asked, extra_body=IDS)
+    ids = r.model_extra["leyline"]
+    lps = r.output[0].content[0].logprobs
+    ref = reference(hf_model(tiny_server.checkpoint), ids["prompt_token_ids"],
+                    ids["output_token_ids"])  # fmt: skip
+    want = [row[t] for t, row in zip(ids["output_token_ids"], ref, strict=True)]
+    np.testing.assert_allclose([x.logprob for x in lps], want, atol=ATOL)
+    assert [len(x.top_logprobs) for x in lps] == [2] * len(want)
+    deltas = [x.logprob for ev in client.responses.create(**kw, **asked, stream=True)
+              if ev.type == "response.output_text.delta" for x in ev.logprobs or []]  # fmt: skip
+    assert deltas == [x.logprob for x in lps]
+    assert client.responses.create(**kw).output[0].content[0].logprobs in (None, [])
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(**kw, **asked | {"top_logprobs": 21})
+    assert e.value.body["param"] == "top_logprobs"

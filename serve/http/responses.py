@@ -6,6 +6,8 @@ a `response` object, or its stream of events.
 Input: a string (one user message) or items: messages (`role`, content a string or
 `input_text` / `output_text` parts), `function_call` (an assistant's call) and
 `function_call_output` (its result, a tool message); `instructions` is the system message.
+`include: ["message.output_text.logprobs"]` (with `top_logprobs` alternatives) reports the
+output text's tokens' log-probabilities, as chat does (`serve.http.logprobs`).
 
 A stored response (`store`, the default) is a conversation: `previous_response_id` continues
 it (the caller's tenant's only; another's is not found), and its session is the conversation's,
@@ -23,7 +25,7 @@ import uuid
 
 from fastapi import Request
 
-from serve.http import formats
+from serve.http import formats, logprobs
 from serve.http.chat_completions import ChatReply, render
 from serve.http.errors import APIError
 from serve.http.reply import Outcome, data, usage
@@ -79,8 +81,10 @@ class ResponsesReply(ChatReply):
             "session_id": self.key,
         }
 
-    def _message(self, text: str, status: str = "completed") -> dict:
+    def _message(self, text: str, status: str = "completed", lps=None) -> dict:
         part = {"type": "output_text", "text": text, "annotations": []}
+        if lps is not None:  # asked (`include`): every generated token's
+            part["logprobs"] = lps
         return {
             "type": "message",
             "id": self.mid,
@@ -95,7 +99,11 @@ class ResponsesReply(ChatReply):
         content, calls, extra = self._finish(out)
         status = "completed" if self.finish_reason(out.output) == "stop" else "incomplete"
         # a stream announced its message item first: it stays, empty, beside the calls
-        items = [self._message(content, status)] if content or not calls or streamed else []
+        lps = None  # every generated token's, where asked
+        if self.req.logprobs_k is not None:
+            lps = logprobs.chat_content(self.text.tok, out.output, out.logprobs)
+        message = self._message(content, status, lps)
+        items = [message] if content or not calls or streamed else []
         for c in calls:
             items.append(
                 {
@@ -150,30 +158,23 @@ class ResponsesReply(ChatReply):
         ]
 
     def delta(self, text: str, out: Outcome | None = None) -> dict:
-        return self._event(
-            "response.output_text.delta",
-            item_id=self.mid,
-            output_index=0,
-            content_index=0,
-            delta=text,
-        )
+        at = dict(item_id=self.mid, output_index=0, content_index=0)
+        if out is not None and (lps := self._logprobs(out)) is not None:
+            at["logprobs"] = lps["content"]  # the tokens' not yet reported
+        return self._event("response.output_text.delta", delta=text, **at)
 
     def closing(self, out: Outcome) -> list[dict]:
         events = []
         tail = self.text.update(out.output, final=True)
         if tail:
-            events.append(self.delta(tail))
+            events.append(self.delta(tail, out))
         resp, items, calls = self._done(out, streamed=True)
         message = items[0] if items and items[0]["type"] == "message" else self._message("")
         text = message["content"][0]["text"]
         at = dict(item_id=self.mid, output_index=0, content_index=0)
         events += [
             self._event("response.output_text.done", text=text, **at),
-            self._event(
-                "response.content_part.done",
-                part={"type": "output_text", "text": text, "annotations": []},
-                **at,
-            ),
+            self._event("response.content_part.done", part=message["content"][0], **at),
             self._event("response.output_item.done", output_index=0, item=message),
         ]
         for i, item in enumerate(it for it in items if it["type"] == "function_call"):

@@ -14,8 +14,10 @@ from pydantic import Field, ValidationError
 from serve.http.errors import APIError, validation_param
 from serve.http.extensions import SESSION_ID, LeylineOptions
 from serve.http.schema import ChatCompletionRequest, Open
+from serve.sampling import MAX_LOGPROBS
 
 MAX_STORED = 10_000  # per tenant
+LOGPROBS = "message.output_text.logprobs"  # in `include`: each output text part's logprobs
 
 
 class TextOptions(Open):
@@ -36,6 +38,8 @@ class ResponsesRequest(Open):
     store: bool = True
     previous_response_id: str | None = Field(None, min_length=1, max_length=256)
     text: TextOptions | None = None
+    include: list[str] | None = None  # "message.output_text.logprobs": the tokens' logprobs
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # alternatives each comes with
     session_id: str | None = Field(None, **SESSION_ID)
     leyline: LeylineOptions | None = None
 
@@ -145,6 +149,8 @@ def chat_request(req: ResponsesRequest, messages: list[dict], session: str | Non
     ):
         if getattr(req, src) is not None:
             body[dst] = getattr(req, src)
+    if LOGPROBS in (req.include or ()):
+        body["logprobs"], body["top_logprobs"] = True, req.top_logprobs or 0
     if req.leyline is not None:
         body["leyline"] = req.leyline  # validated already
     body["session_id"] = session
