@@ -1,7 +1,7 @@
 """Sampling: what a turn asks for (`SamplingParams`, checked when made) and the one jitted draw
 per step (`sample`), whose key depends on (seed, step) only, so a row draws the same token
-whatever batch it is in; and, for the turns that ask, the drawn tokens' log-probabilities
-(`token_logprobs`)."""
+whatever batch it is in; for the turns that ask, penalties on the logits first (`penalties`,
+`penalize`) and the drawn tokens' log-probabilities (`token_logprobs`)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,9 @@ class SamplingParams:
     grammar: a `serve.grammar.Grammar` the output must follow (None: unconstrained); its end
     is a stop token, so give the stop tokens its `Grammars` was made with. logprobs: None (none),
     or k in [0, MAX_LOGPROBS]: each generated token's log-probability and the k most likely
-    tokens' (`Request.logprobs`; `token_logprobs`)."""
+    tokens' (`Request.logprobs`; `token_logprobs`). presence_penalty, frequency_penalty in
+    [-2, 2] and repetition_penalty > 0, as vLLM applies them (`penalties`): 0, 0, 1 change
+    nothing."""
 
     max_new_tokens: int = 16
     temperature: float = 0.0  # 0: greedy
@@ -45,6 +47,9 @@ class SamplingParams:
     seed: int = 0
     grammar: object = None
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self):
         if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
@@ -57,6 +62,12 @@ class SamplingParams:
             raise ValueError(f"seed={self.seed!r} must be an integer in [0, 2**32)")
         if self.grammar is not None and not callable(getattr(self.grammar, "matcher", None)):
             raise ValueError(f"grammar={self.grammar!r} must be a serve.grammar.Grammar")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not is_real(v) or not -2 <= v <= 2:
+                raise ValueError(f"{name}={v!r} must be a number in [-2, 2]")
+        if not is_real(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty={self.repetition_penalty!r} must be a number > 0")
         lp = self.logprobs
         if lp is not None and (not is_int(lp) or not 0 <= lp <= MAX_LOGPROBS):
             raise ValueError(f"logprobs={lp!r} must be None or an integer in [0, {MAX_LOGPROBS}]")
@@ -72,8 +83,69 @@ class SamplingParams:
             ("seed", int(self.seed)),
             ("stop_tokens", tuple(int(t) for t in stops)),
             ("logprobs", None if lp is None else int(lp)),
+            ("presence_penalty", float(self.presence_penalty)),
+            ("frequency_penalty", float(self.frequency_penalty)),
+            ("repetition_penalty", float(self.repetition_penalty)),
         ):
             object.__setattr__(self, name, value)
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty changes the logits."""
+        return (self.presence_penalty, self.frequency_penalty, self.repetition_penalty) != (0, 0, 1)
+
+
+def penalties(rows, shape) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """`penalize`'s operands for logits of `shape` [B, V], the first rows' from `rows` of
+    (SamplingParams, the turn's generated tokens, every token of its session): vLLM's rules.
+    f32[B, V] `add`: -(frequency x count + presence x (count > 0)) over the generated tokens;
+    f32[B, V] `scale`: the repetition penalty at every token of the session (prompt and
+    output), 1 elsewhere. Rows past `rows` change nothing."""
+    vocab = shape[1]
+    add, scale = np.zeros(shape, np.float32), np.ones(shape, np.float32)
+    for b, (sp, output, seen) in enumerate(rows):
+        if not sp.penalized:
+            continue
+        counts = np.bincount(np.asarray(output, np.int64), minlength=vocab)[:vocab]
+        add[b] = -(sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0))
+        scale[b, np.asarray(seen, np.int64)] = sp.repetition_penalty
+    return jnp.asarray(add), jnp.asarray(scale)
+
+
+@jax.jit
+def penalize(logits, add, scale):
+    """Logits with `penalties` applied: a token's logit divided by its repetition penalty where
+    positive, multiplied where negative, then `add` (vLLM's order)."""
+    logits = jnp.where(logits > 0, logits / scale, logits * scale)
+    return logits + add
+
+
+def tokens(logits, turns, emitted: set[int]) -> jax.Array:
+    """A step's draw (i32[B] on the device) from its logits [B, V]: one row per turn of `turns`
+    (`serve.engine.Request`s), then padding. Every row is drawn (padding and turns still
+    prefilling are discarded), so it compiles one shape per row bucket, like the step; the
+    turns in `emitted` (indices) take theirs, under their grammars' masks; penalties where a
+    turn asks (else nothing more runs)."""
+    pad = logits.shape[0] - len(turns)
+
+    def col(values, dtype):
+        return jnp.asarray(np.asarray(values + [values[0]] * pad, dtype))
+
+    if any(turns[i].sampling.penalized for i in emitted):
+        ops = [(r.sampling, r.output, r.session.tokens) for r in turns]
+        logits = penalize(logits, *penalties(ops, logits.shape))
+    return sample(
+        logits,
+        col([r.sampling.temperature for r in turns], np.float32),
+        col([r.sampling.top_p for r in turns], np.float32),
+        col([r.sampling.seed for r in turns], np.uint32),
+        col([len(r.output) for r in turns], np.int32),
+        grammar_masks(
+            [r.matcher if i in emitted else None for i, r in enumerate(turns)],
+            [r.sampling.max_new_tokens - len(r.output) for r in turns],
+            logits.shape,
+        ),
+    )
 
 
 def mask_words(vocab: int) -> int:

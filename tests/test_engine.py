@@ -588,10 +588,10 @@ def _backend_compiles(into: list):
 def test_warmup_compiles_every_shape_serving_meets(model):
     """After `warmup`, sessions of every size (a prompt longer than a chunk, decode beside
     prefill, up to max_seqs rows, an AMORTIZE splice and its fill, a FORGET's cut and purge)
-    compile nothing: no ragged step, directive step or sampling shape (log-probabilities
-    included), and no program at all (every compile XLA reports is counted). The pool size is
-    this test's own, so no other test compiled these shapes; a turn on an engine not warmed up
-    (another pool) compiles: the count can fail."""
+    compile nothing: no ragged step, directive step or sampling shape (log-probabilities and
+    penalties included), and no program at all (every compile XLA reports is counted). The
+    pool size is this test's own, so no other test compiled these shapes; a turn on an engine
+    not warmed up (another pool) compiles: the count can fail."""
     size = dict(num_pages=77, max_seqs=4, max_seq_len=160, prefill_chunk=32, bucket_growth=4)
     engine = make_engine(model, **size, max_num_batched_tokens=48)
     # steps of 1, 4, 16, 48 tokens; moves in blocks of 16, 48; zeroing and purging 1..64 pages
@@ -605,7 +605,8 @@ def test_warmup_compiles_every_shape_serving_meets(model):
         rng = np.random.default_rng(21)
         sids = [engine.open_session() for _ in range(4)]
         for n, s in zip((100, 3, 17, 40), sids, strict=True):
-            sp = SamplingParams(3, logprobs=2 if n in (100, 17) else None)  # some ask for them
+            asks = dict(logprobs=2) if n in (100, 17) else dict(presence_penalty=1.0)
+            sp = SamplingParams(3, **asks)  # log-probabilities or penalties
             engine.submit(s, rng.integers(0, 256, n).tolist(), sampling=sp)
             engine.step()  # staggered arrivals: prefill chunks ride with decode rows
         engine.run_until_idle()

@@ -24,8 +24,7 @@ from serve.http import Backend, ServerThread  # noqa: E402
 EXAMPLES = 170  # per operation and generation mode (those with few distinct inputs run fewer)
 MINIMUM = 1000
 # refused unless neutral, or (top_logprobs) unless another field is set
-REFUSED = ("top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
-           "logit_bias", "response_format", "tool_choice")  # fmt: skip
+REFUSED = ("top_logprobs", "logit_bias", "response_format", "tool_choice")
 
 
 @pytest.fixture(scope="module")

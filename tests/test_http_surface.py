@@ -99,9 +99,6 @@ def test_bad_tokenize_bodies_name_the_field(server, path, body, param):
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("presence_penalty", 0.5),
-        ("frequency_penalty", -1),
-        ("repetition_penalty", 1.2),
         ("logit_bias", {"5": 3.0}),
         # the tiny model's modulo tokenizer cannot constrain; no `tools` to choose from
         ("response_format", {"type": "json_object"}),

@@ -26,6 +26,7 @@ import leyline_jax as ll
 from leyline_jax import allocator, paged, splice
 from leyline_jax import directives as dv
 from leyline_jax.directives import Mode
+from serve import sampling as draw
 from serve import spans
 from serve.engine import planner
 from serve.engine.caches import PrefixCaches
@@ -33,7 +34,6 @@ from serve.engine.planner import KVPlan, TurnPlan
 from serve.engine.pool import Pool
 from serve.engine.sessions import SessionTable
 from serve.engine.types import Request, Session, Status
-from serve.sampling import grammar_masks, mask_words, sample, token_logprobs
 
 
 class Runner:
@@ -215,30 +215,12 @@ class Runner:
         return rows, blocks
 
     def _emit(self, rows: list[Request], emit: list[int], logits) -> None:
-        """Sample a token for rows[i], i in `emit`, and finish the turns that are done.
-        `logits`: one row per step row and padding ([row bucket, vocab]); every row is sampled
-        (padding and rows still prefilling are discarded), so sampling compiles one shape per
-        row bucket, like the step."""
-        pad, emitted = logits.shape[0] - len(rows), set(emit)
-
-        def col(values, dtype):
-            return jnp.asarray(np.asarray(values + [values[0]] * pad, dtype))
-
-        toks = sample(
-            logits,
-            col([r.sampling.temperature for r in rows], np.float32),
-            col([r.sampling.top_p for r in rows], np.float32),
-            col([r.sampling.seed for r in rows], np.uint32),
-            col([len(r.output) for r in rows], np.int32),
-            grammar_masks(
-                [rows[i].matcher if i in emitted else None for i in range(len(rows))],
-                [r.sampling.max_new_tokens - len(r.output) for r in rows],
-                logits.shape,
-            ),
-        )
+        """Sample a token for rows[i], i in `emit` (`serve.sampling.tokens`), and finish the
+        turns that are done. `logits`: one row per step row and padding ([row bucket, vocab])."""
+        toks = draw.tokens(logits, rows, set(emit))
         asked = any(rows[i].sampling.logprobs is not None for i in emit)
         with jax.transfer_guard_device_to_host("allow"):  # the reads a step makes
-            lps = [np.asarray(a) for a in token_logprobs(logits, toks)] if asked else None
+            lps = [np.asarray(a) for a in draw.token_logprobs(logits, toks)] if asked else None
             toks = np.asarray(toks)
         now = time.perf_counter()
         for i, r, t in ((i, rows[i], int(toks[i])) for i in emit):
@@ -284,16 +266,17 @@ class Runner:
     def _warm_step(self, tokens: int, rows: int) -> None:
         pool = self.pool
         pool.state = paged.precompile(pool.model, pool.state, (tokens, rows), pool.graph)
-        # the sampling columns made as `_emit` makes them (a host array's upload compiles too)
+        # the sampling columns made as `sampling.tokens` makes them (an upload compiles too)
         cols = [
             jnp.asarray(np.ones(rows, t)) for t in (np.float32, np.float32, np.uint32, np.int32)
         ]
         vocab = pool.model.config.vocab_size
         logits = jnp.zeros((rows, vocab), jnp.float32)
-        toks = sample(logits, *cols, None)  # as `_emit` calls it: no mask
-        jax.block_until_ready(token_logprobs(logits, toks))  # a step with logprobs asked
-        masks = jnp.asarray(np.full((rows, mask_words(vocab)), -1, np.int32))
-        jax.block_until_ready(sample(logits, *cols, masks))  # a step with a constrained row
+        toks = draw.sample(logits, *cols, None)  # as `_emit` calls it: no mask
+        jax.block_until_ready(draw.token_logprobs(logits, toks))  # a step with logprobs asked
+        penalized = draw.penalize(logits, *draw.penalties([], logits.shape))  # ... penalties
+        masks = jnp.asarray(np.full((rows, draw.mask_words(vocab)), -1, np.int32))
+        jax.block_until_ready(draw.sample(penalized, *cols, masks))  # ... a constrained row
 
     def _warm_edit(self, kind: str, size: int) -> None:
         pool = self.pool

@@ -5,7 +5,8 @@ Bodies are pydantic models in strict mode (nothing coerced: `"4"` or `4.0` is no
 (`error.param`, a dotted path such as `messages.1.role`). Fields of the OpenAI API the server
 does not need (`user`, `metadata`, `parallel_tool_calls`, ...) are accepted and ignored, as
 OpenAI-compatible servers do; fields whose meaning it cannot honour (`n` > 1, `echo`,
-penalties other than neutral, `logit_bias`, non-text content parts) are refused by name.
+`logit_bias`, non-text content parts) are refused by name. The penalties (presence, frequency,
+vLLM's repetition) are applied as vLLM does (`serve.sampling.penalties`).
 `logprobs` (chat: with `top_logprobs`; completions: the number of alternatives) reports the
 model's own log-probabilities (`serve.http.logprobs`). `response_format` (`json_object`,
 `json_schema`) and `tool_choice` ("required", a named function) are enforced by
@@ -170,9 +171,6 @@ class ResponseFormat(Open):
 
 # fields of the OpenAI API (and vLLM's) the sampling step does not implement: refused by name
 # unless they ask for what the server does anyway (the value here)
-_NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1}
-
-
 class _Sampling(Open):
     model: str = Field(min_length=1)
     temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False)
@@ -196,15 +194,6 @@ class _Sampling(Open):
     @classmethod
     def _check_stop(cls, v):
         _stops(v)
-        return v
-
-    @field_validator(*_NEUTRAL)
-    @classmethod
-    def _no_penalties(cls, v, info):
-        if v is not None and v != _NEUTRAL[info.field_name]:
-            raise ValueError(
-                f"{info.field_name} is not supported (only {_NEUTRAL[info.field_name]})"
-            )
         return v
 
     _no_logit_bias = field_validator("logit_bias")(classmethod(_refused))

@@ -86,6 +86,9 @@ class Turns:
             stop_tokens=() if req.ignore_eos else self.backend.tokenizer.stop_tokens,
             grammar=grammar,
             logprobs=req.logprobs_k,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=req.repetition_penalty or 1.0,
         )
 
     def start(self, prompt, sampling, req, caller: Caller, directives=()) -> Job:

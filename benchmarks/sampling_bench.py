@@ -1,10 +1,11 @@
-"""What log-probabilities cost a decode step: SmolLM2-135M-Instruct (fp32, its 49,152-token
-vocabulary), decode steps of 8 rows (64 prompt tokens each) with no row asking, and with every
-row asking for its tokens' log-probabilities and 20 alternatives (`SamplingParams.logprobs`);
+"""What log-probabilities and penalties cost a decode step: SmolLM2-135M-Instruct (fp32, its
+49,152-token vocabulary), decode steps of 8 rows (64 prompt tokens each) with no row asking,
+with every row asking for its tokens' log-probabilities and 20 alternatives
+(`SamplingParams.logprobs`), and with every row penalized (presence, frequency, repetition);
 the arms alternate in rounds, medians. Beside them: `token_logprobs` alone on the step's logits,
 and its floor (one read of the logits at the read bandwidth measured in the same run).
 
-    python -m benchmarks.logprobs_bench [--steps 30] [--rounds 3] [--out FILE]
+    python -m benchmarks.sampling_bench [--steps 30] [--rounds 3] [--out FILE]
 """
 
 from __future__ import annotations
@@ -23,13 +24,14 @@ from serve.sampling import MAX_LOGPROBS, token_logprobs
 ROWS, PROMPT = 8, 64
 
 
-def decode_steps(engine, steps: int, logprobs: int | None, rng) -> list[float]:
-    """Seconds of `steps` decode steps of ROWS rows, each asking for `logprobs`."""
+def decode_steps(engine, steps: int, asks: dict, rng) -> list[float]:
+    """Seconds of `steps` decode steps of ROWS rows, each asking for `asks`."""
     vocab = engine.model.config.vocab_size
     prompts = [rng.integers(0, vocab, PROMPT).tolist() for _ in range(ROWS)]
-    sp = SamplingParams(steps + 8, logprobs=logprobs)
+    sp = SamplingParams(steps + 8, **asks)
     ts, reqs = harness.decode_step_times(engine, prompts, sp, steps)
-    assert all(len(r.logprobs) == (0 if logprobs is None else len(r.output)) for r in reqs)
+    want = 0 if sp.logprobs is None else 1
+    assert all(len(r.logprobs) == want * len(r.output) for r in reqs)
     return ts
 
 
@@ -41,7 +43,8 @@ def main() -> None:
     config = EngineConfig(num_pages=512, page_size=16, max_seqs=ROWS, max_seq_len=1024)
     engine = load_backend("smollm2", config).worker.engine
     rng = np.random.default_rng(0)
-    arms = {"none": None, f"{MAX_LOGPROBS} alternatives": MAX_LOGPROBS}
+    penalties = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1)
+    arms = {"none": {}, "logprobs": {"logprobs": MAX_LOGPROBS}, "penalties": penalties}
     for lp in arms.values():  # compiled and warm
         decode_steps(engine, 3, lp, rng)
     samples = {name: [] for name in arms}
@@ -54,15 +57,15 @@ def main() -> None:
     toks = jnp.zeros(ROWS, jnp.int32)
     alone = harness.median_time(lambda: token_logprobs(logits, toks), iters=10)
     floor = ROWS * vocab * 4 / harness.read_bandwidth()
-    base, asked = step.values()
+    base = step["none"]
     res = {
-        "command": "python -m benchmarks.logprobs_bench",
+        "command": "python -m benchmarks.sampling_bench",
         "platform": harness.platform(),
         "rows": ROWS,
         "vocab": vocab,
         "step_s": step,
-        "overhead_s": asked - base,
-        "overhead_fraction": asked / base - 1,
+        "overhead_s": {k: v - base for k, v in step.items()},
+        "overhead_fraction": {k: v / base - 1 for k, v in step.items()},
         "token_logprobs_alone_s": alone,
         "floor_s": floor,
         "alone_over_floor": alone / floor,
