@@ -44,6 +44,11 @@ from pathlib import Path
 
 from serve.chat_formats import CHATML, CONTENT, DEEPSEEK, REASONING, SPECIAL, TOOLS, ChatFormat
 
+# texts (characters) and id lists this long or longer are encoded and decoded with the GIL
+# released (`ChatTokenizer.encode`); shorter ones in the call that holds it (a few microseconds
+# less a call, below a millisecond of holding it)
+GIL_FREE = 1024
+
 
 @dataclasses.dataclass(frozen=True)
 class MessageSpan:
@@ -119,6 +124,7 @@ class ChatTokenizer:
 
     def _setup(self, backend, format: ChatFormat) -> None:  # noqa: A002
         self._tok = backend
+        self._encode_batch = getattr(backend, "encode_batch_fast", backend.encode_batch)
         self.format = format
         self.vocab_size = backend.get_vocab_size()
 
@@ -127,11 +133,20 @@ class ChatTokenizer:
         return self._tok.to_str()
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of plain text (no special tokens added)."""
-        return self._tok.encode(text, add_special_tokens=False).ids
+        """Token ids of plain text (no special tokens added). From `GIL_FREE` characters on,
+        through `tokenizers`' batch call, which releases the GIL while it works (`encode` holds
+        it: 10 MB of text, 7 s in which no other thread of the process ran, an HTTP server's
+        event loop included) and, without offsets, takes a third less time; the same ids."""
+        if len(text) < GIL_FREE:
+            return self._tok.encode(text, add_special_tokens=False).ids
+        return self._encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids, *, skip_special_tokens: bool = False) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        """The text of token ids; from `GIL_FREE` ids on, with the GIL released (as `encode`)."""
+        ids = list(ids)
+        if len(ids) < GIL_FREE:
+            return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self._tok.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
 
     def special(self, token: str) -> int:
         """The id of a special token such as `USER`."""

@@ -104,6 +104,8 @@ LONGEST_FIRST = (
     "test_hardening.py",  # ~35 s
     "test_device_suite.py",  # ~35 s (the device suite's smoke, subprocesses)
     "test_forgotten.py",  # ~30 s
+    "test_event_loop.py",  # ~30 s (a tiny and a SmolLM2 server beside a 10 MB request)
+    "test_cluster_signals.py",  # ~25 s (a cluster of two replicas and the router)
     "test_ragged_paged_attention.py",  # ~30 s
     "test_limits.py",  # ~25 s
     "test_ragged_paged_attention_gpu.py",  # ~25 s
@@ -162,7 +164,8 @@ def tiny_server(tmp_path_factory):
     from checkpoints.tiny import ensure_default_checkpoints
     from serve import chat
     from serve.engine import Engine
-    from serve.http import Backend, ServerThread
+    from serve.http.backend import Backend
+    from serve.http.server import ServerThread
 
     path = ensure_default_checkpoints(tmp_path_factory.mktemp("ckpt"))["deepseek_v3"]
     engine = Engine(ll.load_model(path), num_pages=256, page_size=16, max_seqs=4,
@@ -186,7 +189,8 @@ def tiny_replicas(tmp_path_factory):
     from checkpoints.tiny import ensure_default_checkpoints
     from serve import chat
     from serve.engine import Engine
-    from serve.http import Backend, ServerThread
+    from serve.http.backend import Backend
+    from serve.http.server import ServerThread
 
     root = tmp_path_factory.mktemp("replicas")
     path = ensure_default_checkpoints(root / "ckpt")["deepseek_v3"]

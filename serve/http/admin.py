@@ -16,6 +16,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import Field
 
+from serve.http import body
 from serve.http.auth import scoped
 from serve.http.commands import Answer, Close, Import, Snapshot
 from serve.http.errors import APIError, unavailable
@@ -111,13 +112,15 @@ def add_routes(app, backend) -> None:
         path, sessions = result
         return {"object": "snapshot", "path": str(path), "sessions": sessions}
 
-    @app.post("/v1/sessions/import")
-    async def import_sessions(body: ImportBody, request: Request):
+    @app.post("/v1/sessions/import", openapi_extra=body.documented(app, ImportBody))
+    async def import_sessions(request: Request):
+        received = await body.received(request)
+        req = await body.in_thread(received.parse, ImportBody)  # off the event loop
         backend.tenants.check_admin(request.headers.get("authorization"))
         if isinstance(worker.engine, Lockstep):  # the followers' engines would not follow
             why = "a multi-process group does not import another server's snapshot"
             raise APIError(409, why, "snapshot_dir", code="no_snapshot_dir")
-        result = await engine_call(worker, lambda answer: Import(body.snapshot_dir, answer))
+        result = await engine_call(worker, lambda answer: Import(req.snapshot_dir, answer))
         if isinstance(result, BaseException):
             why = f"snapshot_dir: cannot import: {result}"
             raise APIError(400, why, "snapshot_dir", code="import_failed")

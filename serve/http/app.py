@@ -31,6 +31,7 @@ def build_app(backend: Backend) -> FastAPI:
     do)."""
     app = FastAPI(title="Leyline-JAX", version="0.1.0")
     app.state.backend = backend
+    _ = backend.grammars  # built now, before serving (`Backend.grammars`)
     if backend.snapshot_dir is not None:
         restore_sessions(backend)
         # every FORGET logged beside the snapshots: an older snapshot never brings it back

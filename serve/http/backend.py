@@ -53,7 +53,9 @@ class Backend:
     @functools.cached_property
     def grammars(self):
         """`serve.grammar.Grammars` of the tokenizer (None: one without its own ids, the tiny
-        model's `ModVocabTokenizer`): built on the first constrained request (~0.2 s)."""
+        model's `ModVocabTokenizer`). `build_app` builds them before serving: llguidance holds
+        the GIL while it reads the vocabulary (0.5 s for SmolLM2's), which on the first
+        constrained request stalled every other one."""
         if not hasattr(self.tokenizer, "tokenizer_json"):
             return None
         from serve.grammar import Grammars

@@ -13,15 +13,15 @@ the output are parsed back into `tool_calls`.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 
 from fastapi import Request
 
 from leyline_jax.directives import Mode, apply_to_list
 from serve import chat
-from serve.http import formats, logprobs
+from serve.http import body, formats, logprobs
 from serve.http.auth import Caller
+from serve.http.body import Received
 from serve.http.errors import APIError
 from serve.http.history import edit_messages, token_directives
 from serve.http.reply import Outcome, Reply, data, usage
@@ -172,17 +172,24 @@ class ChatReply(Reply):
 def add_route(app, turns: Turns) -> None:
     backend = turns.backend
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(
-        req: ChatCompletionRequest, request: Request, x_session_id: SessionHeader = None
-    ):
-        caller = turns.session(req, x_session_id, request)
-        tok = backend.tokenizer
-        # rendering and tokenizing off the event loop: a long history delays no other request
-        turn = await asyncio.to_thread(render, req, caller.key, tok, backend.sessions)
-        grammar = await asyncio.to_thread(formats.grammar, req, backend)
+    def prepare(received: Received, header: str | None, tenant: str):
+        """(the request, its caller, its turn, its sampling): the body parsed, the history
+        rendered and tokenized, the grammar compiled. The work that grows with the body, for a
+        worker thread (`serve.http.body`)."""
+        req = received.parse(ChatCompletionRequest)
+        caller = turns.session(req, header, tenant)
+        turn = render(req, caller.key, backend.tokenizer, backend.sessions)
+        grammar = formats.grammar(req, backend)
         sampling = turns.sampling(req, len(turn.final), *req.max_new, grammar=grammar)
+        return req, caller, turn, sampling
+
+    @app.post("/v1/chat/completions", openapi_extra=body.documented(app, ChatCompletionRequest))
+    async def chat_completions(request: Request, x_session_id: SessionHeader = None):
+        received, tenant = await body.received(request), request.state.tenant
+        # off the event loop: a long history delays no other request
+        req, caller, turn, sampling = await body.in_thread(prepare, received, x_session_id, tenant)
         job = turns.start(turn.prompt, sampling, req, caller, turn.directives)
+        tok = backend.tokenizer
         markers = tool_markers(tok) if turn.use_tools else ()
         text = OutputText(tok, tok.stop_tokens, req.stops, markers)
         reply = ChatReply(req, caller, turn, text, backend)

@@ -4,12 +4,11 @@ tokens, so an edited prompt is spliced."""
 
 from __future__ import annotations
 
-import asyncio
-
 from fastapi import Request
 
-from serve.http import formats, logprobs
+from serve.http import body, formats, logprobs
 from serve.http.auth import Caller
+from serve.http.body import Received
 from serve.http.errors import APIError
 from serve.http.reply import Outcome, Reply, data, usage
 from serve.http.schema import CompletionRequest
@@ -65,28 +64,44 @@ class TextReply(Reply):
         return self._body([self._choice(self.text.text, out, fin)], out)
 
 
+def prompt_ids(req: CompletionRequest, backend) -> list[int]:
+    """The prompt's token ids: its text encoded, or its ids, each checked against the
+    vocabulary (400 naming `prompt`)."""
+    if isinstance(req.prompt, str):
+        prompt = backend.tokenizer.encode(req.prompt)
+        if not prompt:
+            raise APIError(400, "prompt: the text encodes to no token", "prompt")
+        return prompt
+    prompt, vocab = list(req.prompt), backend.vocab_size
+    bad = [t for t in prompt if t >= vocab]
+    if bad:
+        why = f"prompt: token id {bad[0]} is outside the vocabulary [0, {vocab})"
+        raise APIError(400, why, "prompt")
+    return prompt
+
+
 def add_route(app, turns: Turns) -> None:
     backend = turns.backend
 
-    @app.post("/v1/completions")
-    async def completions(
-        req: CompletionRequest, request: Request, x_session_id: SessionHeader = None
-    ):
-        caller = turns.session(req, x_session_id, request)
-        tok = backend.tokenizer
-        if isinstance(req.prompt, str):
-            prompt = await asyncio.to_thread(tok.encode, req.prompt)  # off the event loop
-            if not prompt:
-                raise APIError(400, "prompt: the text encodes to no token", "prompt")
-        else:
-            prompt, vocab = list(req.prompt), backend.vocab_size
-            bad = [t for t in prompt if t >= vocab]
-            if bad:
-                why = f"prompt: token id {bad[0]} is outside the vocabulary [0, {vocab})"
-                raise APIError(400, why, "prompt")
-        grammar = await asyncio.to_thread(formats.grammar, req, backend)
+    def prepare(received: Received, header: str | None, tenant: str):
+        """(the request, its caller, its prompt's ids, its sampling): the work that grows with
+        the body, for a worker thread (`serve.http.body`)."""
+        req = received.parse(CompletionRequest)
+        caller = turns.session(req, header, tenant)
+        prompt = prompt_ids(req, backend)
+        grammar = formats.grammar(req, backend)
         sampling = turns.sampling(req, len(prompt), req.max_tokens, "max_tokens", grammar)
+        return req, caller, prompt, sampling
+
+    @app.post("/v1/completions", openapi_extra=body.documented(app, CompletionRequest))
+    async def completions(request: Request, x_session_id: SessionHeader = None):
+        received, tenant = await body.received(request), request.state.tenant
+        # off the event loop: parsing, tokenizing (a long prompt delays no other request)
+        req, caller, prompt, sampling = await body.in_thread(
+            prepare, received, x_session_id, tenant
+        )
         job = turns.start(prompt, sampling, req, caller)
+        tok = backend.tokenizer
         text = OutputText(tok, tok.stop_tokens, req.stops, ())
         reply = TextReply(req, caller, prompt, text, backend.model_name)
         return await turns.respond(job, request, reply)

@@ -19,13 +19,13 @@ gone at a restart. A reply the budget cut is "incomplete"; errors name the Respo
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 
 from fastapi import Request
 
-from serve.http import formats, logprobs
+from serve.http import body, formats, logprobs
+from serve.http.body import Received
 from serve.http.chat_completions import ChatReply, render
 from serve.http.errors import APIError
 from serve.http.reply import Outcome, data, usage
@@ -190,16 +190,16 @@ class ResponsesReply(ChatReply):
 def add_route(app, turns: Turns) -> None:
     backend = turns.backend
 
-    @app.post("/v1/responses")
-    async def responses(
-        rreq: ResponsesRequest, request: Request, x_session_id: SessionHeader = None
-    ):
-        tenant = request.state.tenant
-        if rreq.session_id and x_session_id and rreq.session_id != x_session_id:
+    def prepare(received: Received, header: str | None, tenant: str):
+        """(the request, its chat request, its caller, its turn, its sampling, its store_as):
+        the body parsed, the conversation put together and rendered, the grammar compiled.
+        The work that grows with the body, for a worker thread (`serve.http.body`)."""
+        rreq = received.parse(ResponsesRequest)
+        if rreq.session_id and header and rreq.session_id != header:
             why = "session_id and the X-Session-Id header name different sessions"
             raise APIError(400, why, "session_id")
         # the conversation as stored: without instructions, which each request gives anew
-        said, session = [], rreq.session_id or x_session_id
+        said, session = [], rreq.session_id or header
         if rreq.previous_response_id is not None:
             prior = backend.responses.get(tenant, rreq.previous_response_id)
             said, session = [*prior.messages], session or prior.session
@@ -210,17 +210,26 @@ def add_route(app, turns: Turns) -> None:
         if session is None and rreq.store:
             session = f"resp_{uuid.uuid4().hex}"
         req = chat_request(rreq, system + said, session)
-        caller = turns.session(req, None, request)
-        tok = backend.tokenizer
+        caller = turns.session(req, None, tenant)
         try:
-            turn = await asyncio.to_thread(render, req, caller.key, tok, backend.sessions)
-            grammar = await asyncio.to_thread(formats.grammar, req, backend)
+            turn = render(req, caller.key, backend.tokenizer, backend.sessions)
+            grammar = formats.grammar(req, backend)
             sampling = turns.sampling(req, len(turn.final), *req.max_new, grammar=grammar)
         except APIError as e:
             raise renamed(e) from None
+        store_as = (tenant, session, system) if rreq.store else None
+        return rreq, req, caller, turn, sampling, store_as
+
+    @app.post("/v1/responses", openapi_extra=body.documented(app, ResponsesRequest))
+    async def responses(request: Request, x_session_id: SessionHeader = None):
+        received, tenant = await body.received(request), request.state.tenant
+        # off the event loop: a long input delays no other request
+        rreq, req, caller, turn, sampling, store_as = await body.in_thread(
+            prepare, received, x_session_id, tenant
+        )
         job = turns.start(turn.prompt, sampling, req, caller, turn.directives)
+        tok = backend.tokenizer
         markers = tool_markers(tok) if turn.use_tools else ()
         text = OutputText(tok, tok.stop_tokens, req.stops, markers)
-        store_as = (tenant, session, system) if rreq.store else None
         reply = ResponsesReply(rreq, req, caller, turn, text, backend, store_as)
         return await turns.respond(job, request, reply)

@@ -4,11 +4,13 @@ back to text. `model`, when given, must be the one served."""
 
 from __future__ import annotations
 
-import asyncio
-
+from fastapi import Request
+from fastapi.responses import JSONResponse
 from pydantic import Field, field_validator
 
 from serve import chat
+from serve.http import body
+from serve.http.body import Received
 from serve.http.errors import APIError
 from serve.http.schema import Message, Open, Tool, text_only
 
@@ -40,7 +42,7 @@ def _check_model(model: str | None, served: str) -> None:
 def add_routes(app, backend) -> None:
     tok = backend.tokenizer
 
-    def tokenize_now(req: TokenizeRequest) -> list[int]:
+    def ids_of(req: TokenizeRequest) -> list[int]:
         if req.prompt is not None:
             return tok.encode(req.prompt)
         messages = [m.as_chat_dict() for m in req.messages]
@@ -51,19 +53,30 @@ def add_routes(app, backend) -> None:
             raise APIError(400, f"messages: cannot render: {e}", "messages") from e
         return list(r.tokens)
 
-    @app.post("/tokenize")
-    async def tokenize(req: TokenizeRequest):
+    # each in a worker thread, from parsing the body to rendering the answer's JSON (ids by the
+    # million, text by the megabyte): nothing of it on the event loop (`serve.http.body`)
+    def tokenize_now(received: Received) -> JSONResponse:
+        req = received.parse(TokenizeRequest)
         _check_model(req.model, backend.model_name)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "prompt: give either `prompt` or `messages`", "prompt")
-        ids = await asyncio.to_thread(tokenize_now, req)  # off the event loop
-        return {"count": len(ids), "max_model_len": backend.max_seq_len, "tokens": ids}
+        ids = ids_of(req)
+        limit = backend.max_seq_len
+        return JSONResponse({"count": len(ids), "max_model_len": limit, "tokens": ids})
 
-    @app.post("/detokenize")
-    async def detokenize(req: DetokenizeRequest):
+    def detokenize_now(received: Received) -> JSONResponse:
+        req = received.parse(DetokenizeRequest)
         _check_model(req.model, backend.model_name)
         bad = [t for t in req.tokens if not 0 <= t < backend.vocab_size]
         if bad:
             why = f"tokens: id {bad[0]} is outside the vocabulary [0, {backend.vocab_size})"
             raise APIError(400, why, "tokens")
-        return {"prompt": await asyncio.to_thread(tok.decode, req.tokens)}
+        return JSONResponse({"prompt": tok.decode(req.tokens)})
+
+    @app.post("/tokenize", openapi_extra=body.documented(app, TokenizeRequest))
+    async def tokenize(request: Request):
+        return await body.in_thread(tokenize_now, await body.received(request))
+
+    @app.post("/detokenize", openapi_extra=body.documented(app, DetokenizeRequest))
+    async def detokenize(request: Request):
+        return await body.in_thread(detokenize_now, await body.received(request))

@@ -23,11 +23,12 @@ from leyline_jax.directives import Mode
 from serve.engine import RequestError, SamplingParams, TurnCancelled
 from serve.http import auth
 from serve.http.auth import Caller
+from serve.http.commands import Done, Event, Failed, Gone, Job, Tokens
 from serve.http.errors import APIError, unavailable
 from serve.http.extensions import SESSION_ID
 from serve.http.reply import Outcome, Reply, data
 from serve.http.sessions import TooManySessions
-from serve.http.worker import Job, QueueFull, ShuttingDown
+from serve.http.worker import QueueFull, ShuttingDown
 
 # the X-Session-Id header: names the conversation, like the body's `session_id`
 SessionHeader = Annotated[str | None, Header(**SESSION_ID)]
@@ -41,9 +42,9 @@ class Turns:
     def __init__(self, backend):
         self.backend, self.worker = backend, backend.worker
 
-    def session(self, req, header: str | None, request: Request) -> Caller:
-        """Check the request's model; who asks and the session it names (`session_id` or the
-        header)."""
+    def session(self, req, header: str | None, tenant: str) -> Caller:
+        """Check the request's model; `tenant` asking and the session it names (`session_id`
+        or the header)."""
         if req.model != self.backend.model_name:
             served = self.backend.model_name
             why = f"model {req.model!r} does not exist; this server serves {served!r}"
@@ -52,7 +53,7 @@ class Turns:
             why = "session_id and the X-Session-Id header name different sessions"
             raise APIError(400, why, "session_id")
         name = req.session_id if req.session_id is not None else header
-        return Caller(request.state.tenant, name)
+        return Caller(tenant, name)
 
     def sampling(
         self, req, prompt_len: int, asked: int | None, field: str, grammar=None
@@ -140,8 +141,9 @@ class Turns:
 
         return EventSourceResponse(events(), headers=session_headers(reply.key), ping=15)
 
-    async def _events(self, job: Job, request: Request) -> AsyncIterator[tuple]:
-        """The job's events; cancels the turn when the client goes away or time runs out."""
+    async def _events(self, job: Job, request: Request) -> AsyncIterator[Event]:
+        """The job's events through its last (`Done`, `Failed`, or `Gone` when the client went
+        away); cancels the turn when the client goes away or time runs out."""
         deadline = job.arrived + self.backend.request_timeout_s
         try:
             while True:
@@ -150,7 +152,7 @@ class Turns:
                 except TimeoutError:
                     if await request.is_disconnected():
                         self.worker.cancel(job)
-                        yield ("gone",)
+                        yield Gone()
                         return
                     if not self.worker.thread.is_alive():  # events come from it alone
                         raise unavailable() from None
@@ -161,7 +163,7 @@ class Turns:
                         ) from None
                     continue
                 yield ev
-                if ev[0] in ("done", "error"):
+                if isinstance(ev, (Done, Failed)):
                     return
         finally:
             if not job.done:
@@ -173,21 +175,22 @@ class Turns:
         an engine error raises the APIError for `reply.field`; a client gone sets `out.gone`."""
         text = reply.text
         async for ev in self._events(job, request):
-            if ev[0] == "tokens":
-                out.output += ev[1]
-                out.logprobs += ev[2]
-                delta = text.update(out.output)
-                if text.stopped:
-                    self.worker.cancel(job, stop=True)
-                if delta:
-                    yield delta
-            elif ev[0] == "done":
-                out.stats = ev[1]
-            elif ev[0] == "gone":
-                out.gone = True
-                return
-            elif not (text.stopped and isinstance(ev[1], TurnCancelled)):
-                raise self._engine_error(ev[1], reply.field)
+            match ev:
+                case Tokens(ids, logprobs):
+                    out.output += ids
+                    out.logprobs += logprobs
+                    delta = text.update(out.output)
+                    if text.stopped:
+                        self.worker.cancel(job, stop=True)
+                    if delta:
+                        yield delta
+                case Done(stats):
+                    out.stats = stats
+                case Gone():
+                    out.gone = True
+                    return
+                case Failed(error) if not (text.stopped and isinstance(error, TurnCancelled)):
+                    raise self._engine_error(error, reply.field)
         if out.stats is None:  # cut by a stop string: the engine has ended the turn
             out.stats = job.request.stats
 

@@ -1,16 +1,15 @@
 """The engine's thread for the HTTP server: it alone touches the engine.
 
-Requests reach it as typed commands on a queue (`Submit`, `Cancel`, `Close`, `Snapshot`);
-after every engine step it hands each request's newly sampled tokens to that request's asyncio
-queue (`Job.post`), and it keeps the server's metrics. A command that fails fails alone (its
+Requests reach it as typed commands on a queue (`Submit`, `Cancel`, `Close`, `Snapshot`,
+`Import`: `serve.http.commands`); after every engine step it hands each request's newly sampled
+tokens to that request's asyncio queue as typed events (`Job.post`: `Tokens`, then `Done` or
+`Failed`), and it keeps the server's metrics. A command that fails fails alone (its
 caller gets the error), never the thread; an engine step that raises fails what is in flight
 and the thread keeps serving.
 """
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 import logging
 import queue
 import threading
@@ -19,7 +18,19 @@ from pathlib import Path
 
 from serve.engine import TurnCancelled
 from serve.http.auth import SaltChanged
-from serve.http.commands import Answer, Cancel, Close, Import, Snapshot, Submit, Wake, call_soon
+from serve.http.commands import (
+    Answer,
+    Cancel,
+    Close,
+    Done,
+    Failed,
+    Import,
+    Job,
+    Snapshot,
+    Submit,
+    Tokens,
+    Wake,
+)
 from serve.http.metrics import Metrics
 from serve.http.sessions import HttpSessions, TooManySessions
 
@@ -36,32 +47,6 @@ class ShuttingDown(RuntimeError):
 
 class SessionBusy(RuntimeError):
     """A session with a turn in flight cannot be closed."""
-
-
-@dataclasses.dataclass(eq=False)
-class Job:
-    """One HTTP request's turn, as the engine thread tracks it."""
-
-    prompt: list[int]
-    sampling: object  # SamplingParams
-    mode: object  # Mode
-    session_key: str | None  # None: a session of its own, closed when the turn ends
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue
-    directives: list = dataclasses.field(default_factory=list)  # in `prompt`'s coordinates
-    move: bool = False  # MOVE for this turn (`Engine.submit_prompt`)
-    lineage: str | None = None  # a new session's lineage (`Engine.open_session`)
-    salt: str = ""  # its radix cache's salt (`Engine.open_session`); the session's, if known
-    incremental: bool = True  # tokens as each step samples them (else once, at the end)
-    arrived: float = dataclasses.field(default_factory=time.perf_counter)
-    request: object = None  # the engine's Request, once submitted
-    sid: int | None = None
-    sent: int = 0
-    cancelled: bool = False
-    done: bool = False
-
-    def post(self, *event) -> None:
-        call_soon(self.loop, self.events.put_nowait, event)
 
 
 class EngineWorker:
@@ -177,14 +162,14 @@ class EngineWorker:
         for job in list(self.jobs):
             if job.request is not None and not job.request.finished:
                 self.engine.cancel(job.request)
-            self._end(job, ("error", error))
+            self._end(job, Failed(error))
 
     def _handle(self, cmd) -> None:
         """One command; whatever goes wrong fails that command alone."""
         try:
             match cmd:
                 case Submit(job) if self._stop.is_set():
-                    self._end(job, ("error", ShuttingDown("the server is shutting down")))
+                    self._end(job, Failed(ShuttingDown("the server is shutting down")))
                 case Submit(job):
                     self._submit(job)
                 case Cancel(job, stop) if job.request is not None and not job.done:
@@ -200,7 +185,7 @@ class EngineWorker:
             if isinstance(cmd, (Close, Snapshot, Import)):
                 cmd.answer(e)
             elif isinstance(cmd, Submit):
-                self._end(cmd.job, ("error", e))
+                self._end(cmd.job, Failed(e))
 
     def _close(self, name: str):
         sid = self.sessions.engine_session(name)
@@ -215,15 +200,15 @@ class EngineWorker:
     def _submit(self, job: Job) -> None:
         eng = self.engine
         if job.cancelled:
-            return self._end(job, ("error", TurnCancelled("the turn was cancelled")))
+            return self._end(job, Failed(TurnCancelled("the turn was cancelled")))
         known = None if job.session_key is None else self.sessions.engine_session(job.session_key)
         if known is not None and eng.sessions[known].salt != job.salt:
-            return self._end(job, ("error", SaltChanged()))
+            return self._end(job, Failed(SaltChanged()))
         if known is None and job.session_key is not None:  # a new session: within the caps
             try:
                 victims = self.sessions.room_for(job.session_key, self._busy())
             except TooManySessions as e:
-                return self._end(job, ("error", e))
+                return self._end(job, Failed(e))
             for name in victims:
                 self._retire(name, "cap")
         job.sid = eng.open_session(lineage=job.lineage, salt=job.salt) if known is None else known
@@ -240,7 +225,7 @@ class EngineWorker:
             if known is None:  # nothing of the session exists yet: do not keep an empty one
                 eng.close_session(job.sid)
                 job.sid = None
-            return self._end(job, ("error", e))
+            return self._end(job, Failed(e))
         if known is None and job.session_key is not None:
             self.sessions.bind(job.session_key, job.sid)
         self.jobs.append(job)
@@ -267,21 +252,21 @@ class EngineWorker:
         for job in list(self.jobs):
             r = job.request
             if len(r.output) > job.sent and (job.incremental or r.finished):
-                job.post("tokens", r.output[job.sent :], r.logprobs[job.sent :])
+                job.post(Tokens(r.output[job.sent :], r.logprobs[job.sent :]))
                 job.sent = len(r.output)
             if r.finished:
                 if r.error is None:
                     self.metrics.turn_done(job)
-                self._end(job, ("error", r.error) if r.error else ("done", r.stats))
+                self._end(job, Failed(r.error) if r.error else Done(r.stats))
         self.metrics.gauges(self.engine, [j.request for j in self.jobs])
 
-    def _end(self, job: Job, event) -> None:
+    def _end(self, job: Job, event: Done | Failed) -> None:
         if job.done:
             return
         job.done = True
         if job in self.jobs:
             self.jobs.remove(job)
-        outcome = event[0] if event[0] == "done" else type(event[1]).__name__
+        outcome = "done" if isinstance(event, Done) else type(event.error).__name__
         self.metrics.turns.labels(outcome).inc()
         if job.session_key is None and job.sid is not None:
             try:
@@ -290,4 +275,4 @@ class EngineWorker:
                 log.exception("closing session %s", job.sid)
         with self._lock:
             self.pending -= 1
-        job.post(*event)
+        job.post(event)
