@@ -8,8 +8,10 @@ replica with the fewest sessions (measured: all to one of two); SGLang's router 
 
     python -m serve.cluster [--replicas 2] [--port 8000] [--root .cluster] [-- SERVER ARGS]
         N `python -m serve.http` replicas on the ports from --port + 2, each with its own
-        --snapshot-dir under --root, and the router on --port (its metrics on --port + 1);
-        stops all on Ctrl-C.
+        --snapshot-dir under --root, and the router on --port (its metrics on --port + 1).
+        SIGTERM or SIGINT (Ctrl-C) stops them all: each gets SIGTERM, STOP_TIMEOUT_S to exit
+        (a replica saves its sessions), then SIGKILL. On Linux each also gets SIGTERM from the
+        kernel when this process dies some other way (SIGKILL: PR_SET_PDEATHSIG).
     python -m serve.cluster drain --router URL --replica URL --to URL [--admin-key KEY]
         the replica out of the router (no new turn goes there), its sessions saved
         (`POST /v1/snapshot`) and taken by --to (`POST /v1/sessions/import`): they continue
@@ -21,8 +23,12 @@ replica with the fewest sessions (measured: all to one of two); SGLang's router 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import functools
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -31,6 +37,9 @@ import urllib.request
 from pathlib import Path
 
 POLICY = "consistent_hash"  # vllm-router 0.1.17
+# a replica told to stop finishes its requests (up to 10 s: serve.http) and saves its sessions
+STOP_TIMEOUT_S = 30.0
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def router_command(
@@ -62,9 +71,13 @@ def _post(url: str, body: dict | None = None, key: str | None = None) -> dict:
         return {"text": raw.decode(errors="replace")}
 
 
-def wait_healthy(url: str, timeout: float = 600.0) -> None:
+def wait_healthy(url: str, timeout: float = 600.0, proc: subprocess.Popen | None = None) -> None:
+    """Returns once `url`'s /health answers 200; raises if it has not within `timeout` seconds
+    or if `proc` (the server, where given) has exited."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{url}'s server exited ({proc.returncode}) before it was healthy")
         try:
             with urllib.request.urlopen(url + "/health", timeout=2) as r:
                 if r.status == 200:
@@ -85,6 +98,36 @@ def drain(router: str, replica: str, to: str, admin_key: str | None = None) -> d
     return {"saved": snap["sessions"], "moved": taken["sessions"]}
 
 
+def _die_with_parent(parent: int, prctl) -> None:
+    """In a child between fork and exec: the kernel sends it SIGTERM when `parent` dies; if
+    `parent` died already (before this ran), the child exits at once."""
+    prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def start(cmd: list[str]) -> subprocess.Popen:
+    """`cmd` as a child of this process that gets SIGTERM when this process dies (on Linux)."""
+    dies = None
+    if sys.platform.startswith("linux"):
+        dies = functools.partial(_die_with_parent, os.getpid(), ctypes.CDLL(None).prctl)
+    return subprocess.Popen(cmd, preexec_fn=dies)
+
+
+def stop(procs: list[subprocess.Popen], timeout: float = STOP_TIMEOUT_S) -> None:
+    """SIGTERM to each of `procs`, `timeout` seconds for all of them to exit, then SIGKILL to
+    those left; returns once every one has exited."""
+    for p in procs:
+        p.terminate()  # nothing if it has exited
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["drain"]:
@@ -102,24 +145,24 @@ def main(argv=None) -> None:
     ap.add_argument("--root", default=".cluster")
     a = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     urls = [f"http://127.0.0.1:{a.port + 2 + i}" for i in range(a.replicas)]  # +1: metrics
-    procs = []
+    procs: list[subprocess.Popen] = []
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # as SIGINT: KeyboardInterrupt
     try:
         for i in range(len(urls)):
             cmd = [sys.executable, "-m", "serve.http", "--port", str(a.port + 2 + i),
                    "--snapshot-dir", str(Path(a.root) / f"replica{i}"), *rest]  # fmt: skip
-            procs.append(subprocess.Popen(cmd))
-        for url in urls:
-            wait_healthy(url)
-        procs.append(subprocess.Popen(router_command(a.port, urls)))
+            procs.append(start(cmd))
+        for url, proc in zip(urls, procs, strict=True):
+            wait_healthy(url, proc=proc)
+        procs.append(start(router_command(a.port, urls)))
         print(f"router http://127.0.0.1:{a.port} over {' '.join(urls)}", flush=True)
         procs[-1].wait()
     except KeyboardInterrupt:
         pass
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.wait()
+        for sig in (signal.SIGTERM, signal.SIGINT):  # a second signal does not cut this short
+            signal.signal(sig, signal.SIG_IGN)
+        stop(procs)
 
 
 if __name__ == "__main__":
