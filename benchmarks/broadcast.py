@@ -61,7 +61,8 @@ def _member(pid: int, coordinator: str, repeats: int, ckpt: str, processes: int)
 
     import leyline_jax as ll
     from checkpoints.tiny import ensure_default_checkpoints
-    from serve.engine import Engine, SamplingParams
+    from serve.engine import Engine
+    from serve.sampling import SamplingParams
 
     leader = pid == 0
     out: dict = {"broadcast_s": {}}

@@ -30,7 +30,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 from benchmarks.harness import parser, percentile, save_json, section
-from serve.http import free_port
+from serve.http.server import free_port
 
 
 def _get(url: str, path: str, body=None, timeout: float = 120) -> dict:

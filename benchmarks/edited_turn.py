@@ -34,7 +34,8 @@ import leyline_jax as ll
 from benchmarks import harness
 from checkpoints.tiny import write_random_checkpoint
 from leyline_jax import paged
-from serve.engine import Engine, SamplingParams
+from serve.engine import Engine
+from serve.sampling import SamplingParams
 
 CONTEXT, START, END, NEW = 4096, 1000, 1500, 20
 CONFIG = dict(harness.BENCH_HF_CONFIG, hidden_size=256, intermediate_size=1024, vocab_size=32000)

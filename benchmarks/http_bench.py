@@ -2,8 +2,8 @@
 
 Two identically sized engines over the tiny default model (`deepseek_v3`, fp32 KV, 512 pages
 of 16, 16 sequences), both warmed (`Engine.warmup()`, then an untimed pass of the whole
-workload). One serves HTTP (`serve.http.ServerThread`, uvicorn in a thread, the engine on its
-worker thread, DeepSeek's tokenizer with ids modulo the vocabulary, as tests/test_http.py);
+workload). One serves HTTP (`serve.http.server.ServerThread`, uvicorn in a thread, the engine on
+its worker thread, DeepSeek's tokenizer with ids modulo the vocabulary, as tests/test_http.py);
 the other is driven in-process. The workload at concurrency C: C sessions of `--turns` turns;
 each turn adds a tool output and a user message to the history, re-sends all of it and asks
 for `--max-tokens` tokens, greedy, with the server's stop tokens (the chat format's end of

@@ -16,10 +16,12 @@ import jax.numpy as jnp
 
 from benchmarks import harness
 from serve import chat
-from serve.engine import Engine, SamplingParams
-from serve.http import Backend, ServerThread
+from serve.engine import Engine
+from serve.http.backend import Backend
 from serve.http.history import ReplyMemory
+from serve.http.server import ServerThread
 from serve.http.text import ModVocabTokenizer, OutputText
+from serve.sampling import SamplingParams
 
 ENGINE = dict(num_pages=512, page_size=16, max_seqs=16, kv_dtype=jnp.float32)
 MODEL = "tiny"

@@ -40,7 +40,7 @@ def _child(how: str, path: str) -> None:
     import jax.numpy as jnp
     from flax import nnx
 
-    from leyline_jax import loader
+    from leyline_jax import loader, safetensors
 
     def peak() -> int:
         """Bytes: the peak resident set of this process since it started (`VmHWM`). Not
@@ -55,7 +55,7 @@ def _child(how: str, path: str) -> None:
         model = loader.load_model(path, jnp.bfloat16, progress=False)
     else:
         config = loader.config_from_hf(path)
-        tensors = loader.read_safetensors(path, progress=False)
+        tensors = safetensors.read_safetensors(path, progress=False)
         params = loader.convert_hf_params(config, tensors, jnp.bfloat16)
         model = loader.model_from_params(config, params, jnp.bfloat16)
         del tensors, params

@@ -55,7 +55,9 @@ import leyline_jax as ll
 from benchmarks import harness
 from benchmarks.edited_turn import CONFIG, END, ENGINE, NEW, START
 from checkpoints.tiny import write_random_checkpoint
-from serve.engine import Engine, EngineConfig, SamplingParams
+from serve.engine import Engine
+from serve.engine.config import EngineConfig
+from serve.sampling import SamplingParams
 
 HERE = Path(__file__).resolve().parent
 LENGTHS, BATCHES = (4096, 8192), (1, 8)

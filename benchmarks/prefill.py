@@ -31,7 +31,8 @@ from benchmarks import harness
 from benchmarks.edited_turn import CONFIG
 from checkpoints.tiny import write_random_checkpoint
 from leyline_jax import mla
-from serve.engine import Engine, SamplingParams
+from serve.engine import Engine
+from serve.sampling import SamplingParams
 
 LENGTHS = (4096, 8192)
 CHUNKS = (256, 1024)

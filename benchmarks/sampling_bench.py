@@ -17,9 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import harness
-from serve.engine import EngineConfig, SamplingParams
-from serve.http import load_backend
-from serve.sampling import MAX_LOGPROBS, token_logprobs
+from serve.engine.config import EngineConfig
+from serve.http.backend import load_backend
+from serve.sampling import MAX_LOGPROBS, SamplingParams, token_logprobs
 
 ROWS, PROMPT = 8, 64
 

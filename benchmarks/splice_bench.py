@@ -51,7 +51,8 @@ from benchmarks.device.floors import kv_bytes_per_token
 from checkpoints.tiny import write_random_checkpoint
 from leyline_jax import allocator, splice
 from leyline_jax import kv_pools as kv
-from pallas_kernels.splice_rotate import phase_table, plan_runs, splice_rotate_ref
+from pallas_kernels.splice_rotate import splice_rotate_ref
+from pallas_kernels.splice_runs import phase_table, plan_runs
 
 PREFIX, SPAN, STUB, PAGE = 1024, 64, 16, 16
 IMPLS = ("splice", "rows", "pieces")  # the splice pass's implementations (`--splice-only`)

@@ -31,10 +31,11 @@ import numpy as np
 import openai
 
 from benchmarks import harness
-from serve.engine import Engine, EngineConfig, SamplingParams
-from serve.http import ServerThread
+from serve.engine import Engine
+from serve.engine.config import EngineConfig
 from serve.http.backend import load_backend
-from serve.sampling import mask_words
+from serve.http.server import ServerThread
+from serve.sampling import SamplingParams, mask_words
 
 _OBJ = dict(type="object", additionalProperties=False)
 SCHEMAS = [

@@ -9,11 +9,11 @@ user, assistant with `tool_calls`, tool results; `tools` optional). Steps grow: 
 start with the previous step's messages plus the assistant turn that answered it (an unedited
 harness); a policy may then edit older messages (see `serve.policies`).
 
-`python -m benchmarks.traces --sessions 16 --turns 6 --tool-words 600 --seed 0 --out FILE` (or
-its old name, `serve.traces`) writes them (`--bfcl base|long_context [--limit N]`: bfcl-eval's
-conversations instead). `synthetic(...)`: a seeded generator with controllable turn count and
-tool-output length: a user task, then per turn an assistant tool call and the tool's output
-(text made of English-like words, so token counts are those of real text).
+`python -m benchmarks.traces --sessions 16 --turns 6 --tool-words 600 --seed 0 --out FILE`
+writes them (`--bfcl base|long_context [--limit N]`: bfcl-eval's conversations instead).
+`synthetic(...)`: a seeded generator with controllable turn count and tool-output length: a
+user task, then per turn an assistant tool call and the tool's output (text made of
+English-like words, so token counts are those of real text).
 
 Reasoning: an assistant message may carry `reasoning_content` (the DeepSeek API's field: what a
 reasoning model thought before answering; `serve.chat.render` never re-sends it, and

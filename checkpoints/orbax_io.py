@@ -20,12 +20,8 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from leyline_jax import CausalLM
-from leyline_jax.loader import (
-    CheckpointError,
-    CheckpointNotFoundError,
-    config_from_dict,
-    model_from_params,
-)
+from leyline_jax.loader import config_from_dict, model_from_params
+from leyline_jax.safetensors import CheckpointError, CheckpointNotFoundError
 
 CONFIG_FILE = "mla_config.json"
 PARAMS_LAYOUT = 2

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from leyline_jax.loader import CheckpointError
+from leyline_jax.safetensors import CheckpointError
 
 FORMAT = 2  # the layout of snapshot.json and arrays/ described above (1: no meta checksum)
 META_FILE = "snapshot.json"

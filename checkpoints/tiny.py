@@ -127,8 +127,6 @@ TINY_HF_VARIANTS: dict[str, dict[str, Any]] = {
     ),
 }
 
-FAMILIES = tuple(TINY_HF_CONFIGS)
-
 # The GQA family (Llama layout, as SmolLM2): 4 query heads over 2 KV heads.
 _GQA_COMMON: dict[str, Any] = dict(
     model_type="llama",

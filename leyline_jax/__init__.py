@@ -12,8 +12,8 @@ Dimension letters used in shape comments across the package:
     G KV heads (GQA)       D head dimension (GQA)
 """
 
-from leyline_jax.allocator import fork, free
-from leyline_jax.config import ConfigError, MLAConfig
+from leyline_jax.allocator import OutOfPagesError, SequenceError, fork, free
+from leyline_jax.config import MLAConfig
 from leyline_jax.directives import (
     Applied,
     Directive,
@@ -24,11 +24,13 @@ from leyline_jax.directives import (
     apply_directives,
 )
 from leyline_jax.gqa import GQAConfig
+from leyline_jax.hf_config import ConfigError
 from leyline_jax.importance import decay_selection
-from leyline_jax.kv_state import OutOfPagesError, PagedKVState, SequenceError, init_state, tokens
-from leyline_jax.loader import CheckpointError, CheckpointNotFoundError, load_model
-from leyline_jax.model import CausalLM, MLAModel
+from leyline_jax.kv_state import PagedKVState, init_state, tokens
+from leyline_jax.loader import load_model
+from leyline_jax.model import CausalLM
 from leyline_jax.paged import decode, prefill
+from leyline_jax.safetensors import CheckpointError, CheckpointNotFoundError
 from leyline_jax.sharding import MeshConfig, shard_model
 
 __all__ = [
@@ -44,7 +46,6 @@ __all__ = [
     "MLAConfig",
     "Source",
     "decay_selection",
-    "MLAModel",
     "MeshConfig",
     "OutOfPagesError",
     "apply_directive",

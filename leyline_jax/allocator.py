@@ -8,8 +8,9 @@ takes (`plan_edit`), what a serving turn may take (`turn_need`, `still_needs`,
 
 A page is free when its reference count is 0; a page referenced more than once is never
 written (an append copies it first). Each function here is pure on the state's host half
-(page tables, lengths, token ids, open flags, refcounts: `leyline_jax.kv_state`): it returns
-a new state whose pools are the old ones. What the device must then do is returned beside it
+(`HostState`: page tables, lengths, token ids, open flags, refcounts; the state itself,
+`leyline_jax.kv_state.PagedKVState`, builds on this module): it returns a new state whose
+pools are the old ones. What the device must then do is returned beside it
 (`Append`, `EditPlan`); only `release(zero=True)` touches the pools itself (it zeroes what it
 frees). The checked entry points (`fork`, `free`, `retain`, `release`, `adopt`,
 `check_appends`) raise before anything changes.
@@ -18,14 +19,33 @@ frees). The checked entry points (`fork`, `free`, `retain`, `release`, `adopt`,
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import Protocol, Self
 
 import numpy as np
 
-from leyline_jax.config import check_ids, check_tokens, is_int
+from leyline_jax.config import check_ids, check_tokens
+from leyline_jax.hf_config import is_int
 
-if TYPE_CHECKING:  # the state's module builds on this one
-    from leyline_jax.kv_state import PagedKVState
+
+class HostState(Protocol):
+    """What the allocator reads of a paged KV state: its host bookkeeping and sizes, `replace`
+    (the next state, with changed fields) and `zeroed` (pages zeroed on the device)."""
+
+    page_table: np.ndarray  # i32[max_seqs, max_pages_per_seq]; unused entries = num_pages
+    lengths: np.ndarray  # i32[max_seqs] tokens cached per sequence
+    token_ids: tuple[np.ndarray, ...]  # per sequence: i32[lengths[q]]
+    active: np.ndarray  # bool[max_seqs] open sequences
+    refcount: np.ndarray  # i32[num_pages] references to each page; 0 = free
+    vocab_size: int
+    max_seq_len: int
+    page_size: int
+    num_pages: int
+    max_seqs: int
+    max_pages_per_seq: int
+
+    def replace(self, **changes) -> Self: ...
+
+    def zeroed(self, pages) -> Self: ...
 
 
 class OutOfPagesError(RuntimeError):
@@ -42,17 +62,17 @@ def pages_for(tokens, page_size: int):
     return -(-tokens // page_size)
 
 
-def free_pages(state: PagedKVState) -> np.ndarray:
+def free_pages(state: HostState) -> np.ndarray:
     """i32[F] free page ids, lowest first."""
     return np.flatnonzero(state.refcount == 0).astype(np.int32)
 
 
-def seq_pages(state: PagedKVState, seq: int) -> np.ndarray:
+def seq_pages(state: HostState, seq: int) -> np.ndarray:
     """i32[n] the pages sequence `seq` holds (its page-table row over its length)."""
     return state.page_table[seq, : pages_for(int(state.lengths[seq]), state.page_size)]
 
 
-def table_references(state: PagedKVState) -> np.ndarray:
+def table_references(state: HostState) -> np.ndarray:
     """i32[P]: how many open sequences' page tables list each page (within their lengths)."""
     counts = np.zeros(state.num_pages, np.int32)
     for q in np.flatnonzero(state.active):
@@ -61,14 +81,14 @@ def table_references(state: PagedKVState) -> np.ndarray:
     return counts
 
 
-def last_page_shared(state: PagedKVState, seq: int) -> bool:
+def last_page_shared(state: HostState, seq: int) -> bool:
     """Whether `seq`'s partial last page is referenced by someone else too (an append copies
     it first)."""
     n, ps = int(state.lengths[seq]), state.page_size
     return bool(n % ps) and bool(state.refcount[state.page_table[seq, (n - 1) // ps]] > 1)
 
 
-def append_pages(state: PagedKVState, seq: int, count: int) -> int:
+def append_pages(state: HostState, seq: int, count: int) -> int:
     """Pages appending `count` tokens to `seq` takes from the pool: the new pages it grows
     into, plus one copy of its partial last page when that page is shared."""
     ps, n = state.page_size, int(state.lengths[seq])
@@ -100,7 +120,7 @@ def turn_need(page_size: int, final: int, cut: int | None, first: int | None) ->
     return pages_for(final, page_size) - held + int(cut % page_size > 0), held
 
 
-def still_needs(state: PagedKVState, seq: int, pending: int, new_left: int) -> int:
+def still_needs(state: HostState, seq: int, pending: int, new_left: int) -> int:
     """Pages a running turn may still take: `pending` prompt tokens and `new_left` tokens
     of its budget, past what `seq` holds (a shared last page is copied before it is written)."""
     ps, n = state.page_size, int(state.lengths[seq])
@@ -109,7 +129,7 @@ def still_needs(state: PagedKVState, seq: int, pending: int, new_left: int) -> i
 
 
 # ---- host transitions (unchecked: the checked entry points below and the steps call them) ----
-def _empty_row(state: PagedKVState) -> np.ndarray:
+def _empty_row(state: HostState) -> np.ndarray:
     return np.full(state.max_pages_per_seq, state.num_pages, np.int32)
 
 
@@ -121,8 +141,8 @@ def _add_refs(refcount: np.ndarray, pages, delta: int) -> np.ndarray:
 
 
 def set_sequence(
-    state: PagedKVState, seq: int, row, tokens, *, active: bool = True, **changes
-) -> PagedKVState:
+    state: HostState, seq: int, row, tokens, *, active: bool = True, **changes
+) -> HostState:
     """`seq` now holds `tokens` in the pages of page-table row `row` (i32[max_pages]);
     refcounts are the caller's (`changes` may carry new ones)."""
     table, lengths, flags = state.page_table.copy(), state.lengths.copy(), state.active.copy()
@@ -134,31 +154,31 @@ def set_sequence(
     )
 
 
-def open_seq(state: PagedKVState, seq: int) -> PagedKVState:
+def open_seq(state: HostState, seq: int) -> HostState:
     """Mark `seq` open and empty."""
     return set_sequence(state, seq, _empty_row(state), [])
 
 
-def free_seq(state: PagedKVState, seq: int) -> PagedKVState:
+def free_seq(state: HostState, seq: int) -> HostState:
     """Close `seq` and drop its page references (pages reaching 0 become free)."""
     refcount = _add_refs(state.refcount, seq_pages(state, seq), -1)
     return set_sequence(state, seq, _empty_row(state), [], active=False, refcount=refcount)
 
 
-def fork_seq(state: PagedKVState, src: int, dst: int) -> PagedKVState:
+def fork_seq(state: HostState, src: int, dst: int) -> HostState:
     """Open `dst` as a copy of `src` that shares all of its pages (refcounts + 1)."""
     refcount = _add_refs(state.refcount, seq_pages(state, src), 1)
     row = state.page_table[src].copy()
     return set_sequence(state, dst, row, state.token_ids[src], refcount=refcount)
 
 
-def retain_pages(state: PagedKVState, pages) -> PagedKVState:
+def retain_pages(state: HostState, pages) -> HostState:
     """Take one more reference to each page in `pages` (a holder outside any sequence, such as
     a prefix cache, keeps pages alive this way)."""
     return state.replace(refcount=_add_refs(state.refcount, pages, 1))
 
 
-def release_pages(state: PagedKVState, pages) -> tuple[PagedKVState, np.ndarray]:
+def release_pages(state: HostState, pages) -> tuple[HostState, np.ndarray]:
     """Drop one reference to each page in `pages` (distinct). Returns the state and i32[K] the
     pages nobody references any more (a caller purging their contents zeroes them)."""
     refcount = _add_refs(state.refcount, pages, -1)
@@ -167,7 +187,7 @@ def release_pages(state: PagedKVState, pages) -> tuple[PagedKVState, np.ndarray]
     return state.replace(refcount=refcount), dead[refcount[dead] == 0].astype(np.int32)
 
 
-def adopt_prefix(state: PagedKVState, seq: int, pages, tokens) -> PagedKVState:
+def adopt_prefix(state: HostState, seq: int, pages, tokens) -> HostState:
     """Open `seq` holding `tokens` whose KV already lives in `pages` (a prefix cache hit):
     every listed page gains a reference."""
     row = _empty_row(state)
@@ -189,7 +209,7 @@ class Append:
 class _Taker:
     """A host copy of one row's bookkeeping that takes the lowest free pages in order."""
 
-    def __init__(self, state: PagedKVState, refcount: np.ndarray):
+    def __init__(self, state: HostState, refcount: np.ndarray):
         self.ps, self.num_pages, self.refcount = state.page_size, state.num_pages, refcount
         self.free = list(np.flatnonzero(refcount == 0))
 
@@ -216,7 +236,7 @@ class _Taker:
         row[a:b] = self.take(b - a, "the append")
 
 
-def append(state: PagedKVState, seqs, blocks) -> tuple[PagedKVState, Append]:
+def append(state: HostState, seqs, blocks) -> tuple[HostState, Append]:
     """Reserve slots for `blocks[i]` (token ids) at the end of open, distinct `seqs[i]`: take
     the lowest free pages, copy a partial last page shared before the step (copy on write),
     record the token ids. Returns the new state (pools untouched) and what the device step
@@ -249,7 +269,7 @@ class EditPlan:
     `first_page` on move to fresh pages), append the re-prefilled tail. `state` is the host
     state afterwards (pools untouched: the caller runs the device part)."""
 
-    state: PagedKVState  # the sequence holds the edited tokens in `row`
+    state: HostState  # the sequence holds the edited tokens in `row`
     old_row: np.ndarray  # i32[max_pages] the row before (the splice's sources)
     row: np.ndarray  # i32[max_pages] the row after (destinations and fills)
     first_page: int | None  # the splice's first rebuilt page (None: no splice)
@@ -259,7 +279,7 @@ class EditPlan:
 
 
 def plan_edit(
-    state: PagedKVState, seq: int, tokens: list[int], cut: int, first: int | None, spliced_len: int
+    state: HostState, seq: int, tokens: list[int], cut: int, first: int | None, spliced_len: int
 ) -> EditPlan:
     """The pages of an edit of open `seq` into `tokens` (the edited sequence): cut its KV at
     `cut` (the first FORGET's start, else its length), splice from token `first` on (None:
@@ -293,7 +313,7 @@ def plan_edit(
 
 
 # ---- checked entry points ------------------------------------------------------------------
-def check_seq(state: PagedKVState, seq, *, want_open: bool | None = None) -> int:
+def check_seq(state: HostState, seq, *, want_open: bool | None = None) -> int:
     """Raise SequenceError unless `seq` is an int in range, open if `want_open`, not open if
     `want_open` is False."""
     if not is_int(seq):
@@ -307,7 +327,7 @@ def check_seq(state: PagedKVState, seq, *, want_open: bool | None = None) -> int
     return int(seq)
 
 
-def check_appends(state: PagedKVState, seqs: list, counts: list) -> None:
+def check_appends(state: HostState, seqs: list, counts: list) -> None:
     """Raise unless counts[i] tokens can be appended to open, distinct seqs[i] (ints, not
     coerced): SequenceError (an id, a repeat, past `max_seq_len`), OutOfPagesError."""
     for s in seqs:
@@ -326,7 +346,7 @@ def check_appends(state: PagedKVState, seqs: list, counts: list) -> None:
         )
 
 
-def check_room(state: PagedKVState, seq: int, length: int, count: int) -> None:
+def check_room(state: HostState, seq: int, length: int, count: int) -> None:
     if length + count > state.max_seq_len:
         raise SequenceError(
             f"sequence {seq} would hold {length + count} tokens, more than max_seq_len="
@@ -334,25 +354,25 @@ def check_room(state: PagedKVState, seq: int, length: int, count: int) -> None:
         )
 
 
-def fork(state: PagedKVState, src: int, dst: int) -> PagedKVState:
+def fork(state: HostState, src: int, dst: int) -> HostState:
     """Open `dst` as a copy of open sequence `src`, sharing its pages."""
     src = check_seq(state, src, want_open=True)
     return fork_seq(state, src, check_seq(state, dst, want_open=False))
 
 
-def free(state: PagedKVState, seq: int) -> PagedKVState:
+def free(state: HostState, seq: int) -> HostState:
     """Close open sequence `seq`, releasing its page references."""
     return free_seq(state, check_seq(state, seq, want_open=True))
 
 
-def _page_list(state: PagedKVState, pages) -> np.ndarray:
+def _page_list(state: HostState, pages) -> np.ndarray:
     p = check_ids(pages, state.num_pages, "page id", allow_empty=True)
     if len(np.unique(p)) != len(p):
         raise ValueError("page ids must be distinct")
     return p
 
 
-def retain(state: PagedKVState, pages) -> PagedKVState:
+def retain(state: HostState, pages) -> HostState:
     """Take a reference to each of `pages` (pages in use) for a holder outside any sequence,
     such as a prefix cache."""
     p = _page_list(state, pages)
@@ -361,7 +381,7 @@ def retain(state: PagedKVState, pages) -> PagedKVState:
     return retain_pages(state, p)
 
 
-def release(state: PagedKVState, pages, *, zero: bool = False) -> PagedKVState:
+def release(state: HostState, pages, *, zero: bool = False) -> HostState:
     """Drop a reference taken with `retain`; with `zero`, pages left unreferenced are zeroed
     (on the device). A page whose references all come from sequences' page tables is refused
     (ValueError): its holders free it with `free`. Donates `state` when zeroing."""
@@ -376,7 +396,7 @@ def release(state: PagedKVState, pages, *, zero: bool = False) -> PagedKVState:
     return state.zeroed(dead) if zero else state
 
 
-def adopt(state: PagedKVState, seq: int, pages, tokens, *, partial: bool = False) -> PagedKVState:
+def adopt(state: HostState, seq: int, pages, tokens, *, partial: bool = False) -> HostState:
     """Open `seq` as the `len(tokens)` tokens whose KV is held in the full pages `pages` (a
     prefix cache hit): the sequence shares those pages and appends after them. With `partial`
     the last page may be partly filled (a sequence restored from a snapshot): the sequence

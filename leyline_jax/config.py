@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from leyline_jax import rope
-from leyline_jax.hf_config import (  # the reading's names, re-exported
+from leyline_jax.hf_config import (
     FAMILIES,
     ROUTER_SIGMOID_GROUPED,
     ROUTERS,
@@ -26,8 +26,6 @@ from leyline_jax.hf_config import (  # the reading's names, re-exported
     mla_fields,
     read_hf_config,
 )
-from leyline_jax.hf_config import ROUTER_SOFTMAX_GREEDY as ROUTER_SOFTMAX_GREEDY
-from leyline_jax.hf_config import ROUTER_SOFTMAX_GROUP_LIMITED as ROUTER_SOFTMAX_GROUP_LIMITED
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,4 +226,9 @@ class MLAConfig:
 
     def rope_inv_freq(self) -> np.ndarray:
         """f32[width / 2]: the inverse frequencies of one row of the rotated band."""
-        return rope.inv_freq(self)
+        if self.rope_type != "yarn":
+            return rope.inv_freq(self.qk_rope_head_dim, self.rope_theta)
+        yarn = dict(yarn_factor=self.yarn_factor, beta_fast=self.rope_beta_fast)
+        yarn |= dict(beta_slow=self.rope_beta_slow, truncate=self.rope_truncate)
+        yarn["original_max"] = self.rope_original_max_position_embeddings
+        return rope.inv_freq(self.qk_rope_head_dim, self.rope_theta, **yarn)

@@ -19,7 +19,7 @@ import numpy as np
 
 from leyline_jax import allocator, importance, splice
 from leyline_jax.allocator import SequenceError
-from leyline_jax.config import is_int
+from leyline_jax.hf_config import is_int
 from leyline_jax.kv_state import PagedKVState
 from leyline_jax.model import CausalLM
 

@@ -28,8 +28,8 @@ from flax import nnx
 
 from leyline_jax import kv_pools as kv
 from leyline_jax import rope
-from leyline_jax.config import Bands, ConfigError, read_hf_config
-from leyline_jax.hf_config import integer, real
+from leyline_jax.config import Bands
+from leyline_jax.hf_config import ConfigError, integer, read_hf_config, real
 from leyline_jax.layers import HFLeaves, Linear, hf_shapes, mlp_shapes
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
@@ -71,11 +71,6 @@ class GQAConfig:
         if not self.rope_theta > 0 or not self.rms_norm_eps > 0:
             raise ConfigError("rope_theta and rms_norm_eps must be positive")
 
-    # what `leyline_jax.rope` reads: RoPE on the whole head, no scaling
-    qk_rope_head_dim = property(lambda self: self.head_dim)
-    rope_type = "default"
-    rope_scale = 1.0
-
     @property
     def softmax_scale(self) -> float:
         return self.head_dim**-0.5
@@ -95,8 +90,9 @@ class GQAConfig:
         return Bands(moved=shape, rotated=shape)
 
     def rope_inv_freq(self) -> np.ndarray:
-        """f32[head_dim / 2]: the inverse frequencies of one row (one head) of K."""
-        return rope.inv_freq(self)
+        """f32[head_dim / 2]: the inverse frequencies of one row (one head) of K: RoPE on the
+        whole head, no scaling."""
+        return rope.inv_freq(self.head_dim, self.rope_theta)
 
     # ---- (de)serialisation -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -180,7 +176,7 @@ class GQAAttention(nnx.Module):
     def qkv(self, x, positions):
         """[T, H], i32[T] -> q [T, N, D], k [T, G, D] (both position embedded), v [T, G, D]."""
         c = self.config
-        t, inv = x.shape[0], rope.inv_freq(c)
+        t, inv = x.shape[0], c.rope_inv_freq()
         q = self.q_proj(x).reshape(t, c.num_attention_heads, c.head_dim)
         k = self.k_proj(x).reshape(t, c.num_key_value_heads, c.head_dim)
         v = self.v_proj(x).reshape(t, c.num_key_value_heads, c.head_dim)

@@ -2,7 +2,7 @@
 
 A field the file omits takes the family's transformers default (`_FAMILY_DEFAULTS`); a field
 the model cannot honour raises `ConfigError` naming it. `leyline_jax.config` builds the config
-from `mla_fields` and re-exports the names defined here.
+from `mla_fields`.
 """
 
 from __future__ import annotations

@@ -24,8 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from leyline_jax import paged
-from leyline_jax.kv_state import PagedKVState
+from leyline_jax.kv_state import PagedKVState, bucket
 from leyline_jax.model import CausalLM, Split, merge
 
 WINDOW = 32  # recent queries scored (SnapKV's observation window)
@@ -51,7 +50,7 @@ def scores(model: CausalLM, state: PagedKVState, seq: int, *, window: int = WIND
     """f64[n]: every cached token's attention mass from the last `window` queries (rule 2)."""
     n = int(state.lengths[seq])
     w = min(window, n)
-    wb, sb = paged.bucket(w), paged.bucket(n, MIN_CTX_BUCKET)
+    wb, sb = bucket(w), bucket(n, MIN_CTX_BUCKET)
     ps = state.page_size
     pos = np.arange(n)
     slots = np.zeros(sb, np.int32)

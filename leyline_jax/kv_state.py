@@ -31,8 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from leyline_jax.allocator import OutOfPagesError, SequenceError, check_seq, pages_for
-from leyline_jax.config import is_int
+from leyline_jax.allocator import check_seq, pages_for
+from leyline_jax.hf_config import is_int
 from leyline_jax.kv_pools import KVPools, storage_dtype, zero_pages
 
 # The most new tokens one step carries by default (`init_state`'s `max_step_tokens`)
@@ -43,7 +43,7 @@ BUCKET_GROWTH = 2
 # Pages are zeroed in blocks of at most this many (each bucketed): a bounded set of shapes
 ZERO_BLOCK = 64
 
-__all__ = ["OutOfPagesError", "SequenceError", "PagedKVState", "init_state", "tokens"]
+__all__ = ["PagedKVState", "init_state", "tokens"]
 
 
 def bucket(n: int, minimum: int = 1, maximum: int | None = None, growth: int = 2) -> int:

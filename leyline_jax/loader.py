@@ -25,17 +25,16 @@ import numpy as np
 from flax import nnx
 
 from leyline_jax import gqa, mla
-from leyline_jax.config import FAMILIES as MLA_MODEL_TYPES
-from leyline_jax.config import ConfigError, MLAConfig, read_hf_config
+from leyline_jax.config import MLAConfig
+from leyline_jax.hf_config import FAMILIES as MLA_MODEL_TYPES
+from leyline_jax.hf_config import ConfigError, read_hf_config
 from leyline_jax.layers import contiguous
 from leyline_jax.model import CausalLM
 from leyline_jax.safetensors import (
-    PROGRESS_BYTES,
     CheckpointError,
     CheckpointNotFoundError,
     Safetensors,
     progress_bar,
-    read_safetensors,
 )
 from leyline_jax.sharding import key_path
 
@@ -200,7 +199,8 @@ def load_model(
     `mesh.param_sharding(path, shape)` says: see `model_from_params`) and its host copy dropped
     before the next. Peak host memory beyond the process's own: the params placed in host
     memory (all of them on CPU) plus at most twice the largest tensor or param (measured on
-    CPU: about once). A progress bar shows above `PROGRESS_BYTES` (or with `progress=True`).
+    CPU: about once). A progress bar shows above `safetensors.PROGRESS_BYTES` (or with
+    `progress=True`).
 
     Raises before anything is read: `ConfigError` (unknown family, unsupported field),
     `CheckpointNotFoundError` (missing files), `CheckpointError` (missing, unexpected or
@@ -235,15 +235,10 @@ def load_model(
 
 
 __all__ = [
-    "PROGRESS_BYTES",
-    "CheckpointError",
-    "CheckpointNotFoundError",
-    "ConfigError",
     "config_from_dict",
     "config_from_hf",
     "convert_hf_params",
     "hf_tensor_shapes",
     "load_model",
     "model_from_params",
-    "read_safetensors",
 ]

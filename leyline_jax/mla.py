@@ -22,10 +22,12 @@ from flax import nnx
 
 from leyline_jax import kv_pools as kv
 from leyline_jax import rope
-from leyline_jax.config import ROUTER_SIGMOID_GROUPED, MLAConfig
+from leyline_jax.config import MLAConfig
+from leyline_jax.hf_config import ROUTER_SIGMOID_GROUPED
 from leyline_jax.layers import HFLeaves, Linear, RMSNorm, contiguous, einsum, hf_shapes, mlp_shapes
 from pallas_kernels.dispatch import on_platform
-from pallas_kernels.ragged_paged_attention import ragged_paged_attention, ref_ragged_paged_mla
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from pallas_kernels.ragged_paged_ref import ref_ragged_paged_mla
 
 # q_a_layernorm and kv_a_layernorm use eps 1e-6 whatever rms_norm_eps says (as the reference).
 LATENT_NORM_EPS = 1e-6
@@ -136,7 +138,7 @@ class MLAAttention(nnx.Module):
         )
         q = q.reshape(*x.shape[:-1], c.num_attention_heads, c.qk_head_dim)
         q_nope, q_pe = q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim :]
-        q_pe = rope.apply_rope(q_pe, positions, rope.inv_freq(c), c.rope_scale, heads_axis=True)
+        q_pe = rope.apply_rope(q_pe, positions, c.rope_inv_freq(), c.rope_scale, heads_axis=True)
         return q_nope, q_pe
 
     def latent(self, x, positions):
@@ -144,7 +146,9 @@ class MLAAttention(nnx.Module):
         c = self.config
         kv = self.kv_a_proj(x)
         c_kv = self.kv_a_norm(kv[..., : c.kv_lora_rank])
-        k_pe = rope.apply_rope(kv[..., c.kv_lora_rank :], positions, rope.inv_freq(c), c.rope_scale)
+        k_pe = rope.apply_rope(
+            kv[..., c.kv_lora_rank :], positions, c.rope_inv_freq(), c.rope_scale
+        )
         return c_kv, k_pe
 
     def kv_up(self):

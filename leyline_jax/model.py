@@ -104,9 +104,6 @@ class CausalLM(nnx.Module):
 # makes no dispatch per layer. Deeper models run layer by layer (`Split`).
 FUSED_LAYERS = 4
 
-# the name the MLA families' code and users have used since the first release
-MLAModel = CausalLM
-
 
 class Ends(nnx.Module):
     """A model's two ends, sharing its variables (no copy): the embedding, and the final norm

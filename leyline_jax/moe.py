@@ -18,11 +18,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from leyline_jax.config import (
+from leyline_jax.config import MLAConfig
+from leyline_jax.hf_config import (
     ROUTER_SIGMOID_GROUPED,
     ROUTER_SOFTMAX_GREEDY,
     ROUTER_SOFTMAX_GROUP_LIMITED,
-    MLAConfig,
 )
 from leyline_jax.layers import MLP, swiglu
 

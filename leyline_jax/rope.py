@@ -14,43 +14,48 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import TYPE_CHECKING
 
 import jax.numpy as jnp
 import numpy as np
 
-if TYPE_CHECKING:  # the config's module builds on this one
-    from leyline_jax.config import MLAConfig
-
 
 @functools.lru_cache(maxsize=32)
-def inv_freq(config: MLAConfig) -> np.ndarray:
-    """f32[Dr/2] inverse frequencies (YaRN-corrected when the config says so), read-only and
-    cached per config (a frozen, hashable config: the model calls this in every trace).
+def inv_freq(
+    dim: int,
+    theta: float,
+    *,
+    yarn_factor: float | None = None,
+    original_max: int | None = None,
+    beta_fast: float = 32.0,
+    beta_slow: float = 1.0,
+    truncate: bool = True,
+) -> np.ndarray:
+    """f32[dim/2] inverse frequencies of a rope band `dim` wide with base `theta`; with
+    `yarn_factor`, YaRN-corrected (the other arguments are YaRN's: `original_max` its
+    original_max_position_embeddings, `truncate` rounds the ramp's ends to whole dimensions).
+    Read-only and cached per arguments (the model calls this in every trace, through its
+    config's `rope_inv_freq()`).
 
     Mirrors transformers' `compute_default_rope_parameters` / `_compute_yarn_parameters` step by
     step in float32, so that phases agree with the reference to the last few ulps.
     """
-    dim = config.qk_rope_head_dim
-    base = np.float32(config.rope_theta)
+    base = np.float32(theta)
     exponents = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
     pos_freqs = np.power(base, exponents, dtype=np.float32)
-    if config.rope_type != "yarn":
+    if yarn_factor is None:
         return _frozen((np.float32(1.0) / pos_freqs).astype(np.float32))
 
-    factor = np.float32(config.yarn_factor)
+    factor = np.float32(yarn_factor)
     extrapolation = np.float32(1.0) / pos_freqs
     interpolation = np.float32(1.0) / (factor * pos_freqs)
-    omax = config.rope_original_max_position_embeddings
 
     def correction_dim(num_rotations: float) -> float:
-        return (dim * math.log(omax / (num_rotations * 2 * math.pi))) / (
-            2 * math.log(config.rope_theta)
+        return (dim * math.log(original_max / (num_rotations * 2 * math.pi))) / (
+            2 * math.log(theta)
         )
 
-    low = correction_dim(config.rope_beta_fast)
-    high = correction_dim(config.rope_beta_slow)
-    if config.rope_truncate:
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:

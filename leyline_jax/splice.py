@@ -21,14 +21,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from leyline_jax import kv_pools, paged, rope
+from leyline_jax import kv_pools, paged
 from leyline_jax import kv_state as kv
 from leyline_jax.allocator import EditPlan
 from leyline_jax.kv_pools import KVPools
 from leyline_jax.kv_state import PagedKVState, bucket, padded
 from leyline_jax.model import Split
 from pallas_kernels.dispatch import resolve
-from pallas_kernels.splice_rotate import TARGETS, Runs, phase_table, plan_runs, splice_rotate
+from pallas_kernels.splice_rotate import TARGETS, splice_rotate
+from pallas_kernels.splice_runs import Runs, phase_table, plan_runs
 
 MIN_MOVE_BUCKET = 16
 
@@ -124,7 +125,7 @@ def rotation_tables(config, length: int, impl=None) -> tuple[jax.Array, jax.Arra
     the model's inverse frequencies and, for the jnp path, cos/sin of its fp32 phases at
     positions [0, length), where moved rows' rotations are looked up (with `impl` None the
     platform chooses at lowering, so the jnp path may be the one: the table is made)."""
-    inv = jnp.asarray(rope.inv_freq(config))
+    inv = jnp.asarray(config.rope_inv_freq())
     if impl is not None and resolve(impl, TARGETS).target is not None:
         return inv, None
     return inv, jax.jit(phase_table, static_argnums=1)(inv, length)

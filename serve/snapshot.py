@@ -30,9 +30,9 @@ A snapshot (`checkpoints.sessions`: atomic, crash-safe) holds two arrays and a J
   applies the later ones to what it read.
 - `extra`: the caller's own JSON-able data, returned by `restore`.
 
-Format 1 snapshots (without pins, lineages and trees) are still read: their sessions come back
-with their own lineage and no pins. Formats 1 and 2 have no `page_tokens`: their records are
-checked against the pages' count and shape only.
+This is format 3, the one format `restore` reads: a snapshot of an older format is refused
+with a `CheckpointError` that says how to keep its sessions (restore it on a release that
+reads it, and save it there: that writes format 3).
 
 A session with a turn in flight (running or queued) is saved as what its KV holds,
 tokens[:cached] (none, if it is offloaded too; the turn itself is not saved: its caller
@@ -50,12 +50,13 @@ from pathlib import Path
 
 from checkpoints.layout import differences, layout
 from checkpoints.sessions import read_snapshot, write_snapshot
-from leyline_jax.loader import CheckpointError
+from leyline_jax.safetensors import CheckpointError
 from serve import forgotten
 from serve import snapshot_records as records
-from serve.engine import OWN_LINEAGE, Engine
+from serve.engine import Engine
+from serve.engine.caches import OWN_LINEAGE
 
-FORMAT = 3  # the layout above (1: without pins, lineages and trees; 2: without page_tokens)
+FORMAT = 3  # the layout above
 
 
 def save(engine: Engine, root: str | os.PathLike, extra: dict | None = None) -> Path:
@@ -152,7 +153,7 @@ def restore(engine: Engine, root: str | os.PathLike, *, merge: bool = False) -> 
     Raises, before the engine changes: ValueError naming what differs for another layout
     (model family, config field, params, page_size, band shapes or dtypes), for a pool with
     too few free pages or sequence slots, or sessions longer than `max_seq_len`;
-    CheckpointError for a damaged or malformed snapshot."""
+    CheckpointError for a damaged or malformed snapshot, or one of another format."""
     if engine.sessions and not merge:
         raise ValueError(
             f"restore needs a fresh engine; this one has {len(engine.sessions)} sessions"
@@ -164,9 +165,11 @@ def restore(engine: Engine, root: str | os.PathLike, *, merge: bool = False) -> 
     if snap is None:
         return None
     arrays, meta = snap
-    if meta.get("format") not in (1, 2, FORMAT):
+    if (found := meta.get("format")) != FORMAT:
         raise CheckpointError(
-            f"session snapshot format {meta.get('format')!r}; this reads 1 to {FORMAT}"
+            f"session snapshot format {found!r}; this release reads format {FORMAT} only. To "
+            "keep its sessions, restore it on a server of a release that reads it and save it "
+            "there again (POST /v1/snapshot, or stop that server): it is then format 3"
         )
     saved = meta.get("layout")
     if not isinstance(saved, dict):

@@ -1,23 +1,23 @@
 """The checks of a session snapshot's records (`parse`): every session, radix path, pin and
 lineage-tree path the meta lists is checked against the saved pages, the vocabulary and the
-page size before anything enters the engine, and (format 3) each record's tokens against
-those its pages were saved with (`page_tokens`); a malformed one is a `CheckpointError` naming
-it. Format 1's missing fields take their defaults (`serve.snapshot` describes the format)."""
+page size before anything enters the engine, and each record's tokens against those its pages
+were saved with (`page_tokens`); a malformed one is a `CheckpointError` naming it
+(`serve.snapshot` describes the format)."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from leyline_jax import allocator
-from leyline_jax.loader import CheckpointError
+from leyline_jax.hf_config import is_int
+from leyline_jax.safetensors import CheckpointError
 from serve import spans
-from serve.engine import OWN_LINEAGE
-from serve.sampling import is_int
+from serve.engine.caches import OWN_LINEAGE
 
 
 def parse(engine, meta: dict, arrays: dict) -> tuple:
     """The snapshot's sessions, prefixes, radix pins, lineage trees and pages, checked
-    (CheckpointError when malformed); format 1's missing fields take their defaults."""
+    (CheckpointError when malformed)."""
     moved, rotated = arrays.get("moved"), arrays.get("rotated")
     pools = engine.state.pools
     for name, a, pool in (("moved", moved, pools.moved[0]), ("rotated", rotated, pools.rotated[0])):
@@ -35,13 +35,12 @@ def parse(engine, meta: dict, arrays: dict) -> tuple:
     r = _Records(moved.shape[1], engine.model.config.vocab_size, engine.page_size)
     sessions = r.check(meta.get("sessions"), r.session, "session")
     prefixes = r.check(meta.get("prefixes"), r.prefix, "prefix")
-    pins = r.check(meta.get("radix_pins", []), r.pin, "radix pin")
-    trees = r.check(meta.get("lineage_trees", []), r.tree, "lineage tree")
-    if meta.get("format", 1) >= 3:
-        paths = [(s["tokens"][: s["cached"]], s["pages"]) for s in sessions]
-        paths += [(p["tokens"], p["pages"]) for p in prefixes]
-        paths += [(p["tokens"], p["pages"]) for t in trees for p in t["paths"]]
-        _check_bound(paths, arrays.get("page_tokens"), r.k, r.ps)
+    pins = r.check(meta.get("radix_pins"), r.pin, "radix pin")
+    trees = r.check(meta.get("lineage_trees"), r.tree, "lineage tree")
+    paths = [(s["tokens"][: s["cached"]], s["pages"]) for s in sessions]
+    paths += [(p["tokens"], p["pages"]) for p in prefixes]
+    paths += [(p["tokens"], p["pages"]) for t in trees for p in t["paths"]]
+    _check_bound(paths, arrays.get("page_tokens"), r.k, r.ps)
     return sessions, prefixes, pins, trees, moved, rotated
 
 
@@ -83,7 +82,7 @@ def _check_bound(paths, saved, k: int, page_size: int) -> None:
 
 class _Records:
     """Checks of a snapshot's records against its `k` saved pages, the vocabulary and the page
-    size (each fills in what format 1 lacks)."""
+    size."""
 
     def __init__(self, k: int, vocab: int, page_size: int):
         self.k, self.vocab, self.ps, self.ids = k, vocab, page_size, set()
@@ -116,9 +115,6 @@ class _Records:
             return False
         self.ids.add(r["id"])
         own = f"{OWN_LINEAGE}{r['id']}"
-        defaults = {"pins": [], "lineage": own, "private": False, "foreign": False, "salt": ""}
-        for key, default in defaults.items():
-            r.setdefault(key, default)
         return (
             self.ints(r.get("tokens"), self.vocab)
             and is_int(r.get("cached"))
@@ -127,20 +123,20 @@ class _Records:
             and self.ints(r.get("pages"), self.k)
             and len(r["pages"]) == allocator.pages_for(r["cached"], self.ps)
             and len(set(r["pages"])) == len(r["pages"])
-            and _spans(r["pins"], len(r["tokens"]))
-            and isinstance(r["lineage"], str)
+            and _spans(r.get("pins"), len(r["tokens"]))
+            and isinstance(r.get("lineage"), str)
             and (r["lineage"] == own or not r["lineage"].startswith(OWN_LINEAGE))
-            and isinstance(r["private"], bool)
-            and isinstance(r["foreign"], bool)
-            and isinstance(r["salt"], str)
+            and isinstance(r.get("private"), bool)
+            and isinstance(r.get("foreign"), bool)
+            and isinstance(r.get("salt"), str)
         )
 
     def prefix(self, p) -> bool:
         if not self.path(p):
             return False
-        lineages = p.setdefault("lineages", [None] * len(p["pages"]))
+        lineages = p.get("lineages")
         return (
-            isinstance(p.setdefault("salt", ""), str)
+            isinstance(p.get("salt"), str)
             and isinstance(lineages, list)
             and len(lineages) == len(p["pages"])
             and all(x is None or isinstance(x, str) for x in lineages)

@@ -23,8 +23,8 @@ pytestmark = pytest.mark.xla_optimized
 @pytest.fixture(scope="module")
 def server():
     from serve.engine import EngineConfig
-    from serve.http import ServerThread
     from serve.http.backend import load_backend
+    from serve.http.server import ServerThread
 
     config = EngineConfig(num_pages=256, page_size=16, max_seqs=2, max_seq_len=2048)
     with ServerThread(load_backend("smollm2", config)) as srv:

@@ -10,7 +10,7 @@ import pytest
 from conftest import ALL_CONFIGS
 
 import leyline_jax as ll
-from leyline_jax.config import (
+from leyline_jax.hf_config import (
     ROUTER_SIGMOID_GROUPED,
     ROUTER_SOFTMAX_GREEDY,
     ROUTER_SOFTMAX_GROUP_LIMITED,

@@ -90,8 +90,8 @@ SCHEMAS = [
 @pytest.fixture(scope="module")
 def smollm2_server():
     from serve.engine import EngineConfig
-    from serve.http import ServerThread
     from serve.http.backend import load_backend
+    from serve.http.server import ServerThread
 
     config = EngineConfig(num_pages=128, page_size=16, max_seqs=2, max_seq_len=1024)
     with ServerThread(load_backend("smollm2", config)) as srv:

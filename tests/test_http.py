@@ -34,7 +34,8 @@ from leyline_jax.directives import Mode  # noqa: E402
 from serve import chat  # noqa: E402
 from serve.chat_formats import CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, TOOL_SEP  # noqa: E402
 from serve.engine import Engine, SamplingParams  # noqa: E402
-from serve.http import Backend, ServerThread, free_port  # noqa: E402
+from serve.http.backend import Backend  # noqa: E402
+from serve.http.server import ServerThread, free_port  # noqa: E402
 from serve.http.text import ModVocabTokenizer, OutputText, parse_tool_calls  # noqa: E402
 
 ENGINE = dict(num_pages=512, page_size=16, max_seqs=16, kv_dtype=jnp.float32)
@@ -618,12 +619,13 @@ def test_bad_directives_name_the_field(server, directives, param):
 # ---- an unmodified harness over HTTP equals the replay -----------------------------------------
 def test_replay_over_http_equals_serve_replay(model, base_tokenizer):
     """Synthetic traces sent turn by turn through the `openai` client, one session per trace,
-    with the truncate policy applied client-side: the prompts are `serve.replay`'s and the hit
+    with the truncate policy applied client-side: the prompts are `benchmarks.replay`'s and the hit
     rate its amortize arm's (C=1, greedy, no stop token, an engine of the replay's size). Then
     the same traces unedited with `context_management` (clear_tool_uses: keep 2, fire from the
     first tool use): the server's edits are the client-side policy's, token for token, and it
     reports what it cleared."""
-    from serve import policies, replay, traces
+    from benchmarks import replay, traces
+    from serve import policies
 
     trace_list = traces.synthetic(sessions=3, turns=4, tool_words=60, seed=5)
     work = replay.prompts(trace_list, base_tokenizer, 256, "truncate", {"keep": 2})

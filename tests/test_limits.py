@@ -23,7 +23,8 @@ import leyline_jax as ll  # noqa: E402
 from checkpoints.tiny import ensure_default_checkpoints  # noqa: E402
 from serve import chat  # noqa: E402
 from serve.engine import Engine  # noqa: E402
-from serve.http import Backend, ServerThread  # noqa: E402
+from serve.http.backend import Backend  # noqa: E402
+from serve.http.server import ServerThread  # noqa: E402
 
 LIMIT = 1 << 20
 

@@ -12,7 +12,7 @@ from conftest import ALL_CONFIGS, random_tokens
 from safetensors.numpy import load_file, save_file
 
 import leyline_jax as ll
-from checkpoints import restore_params, save_params
+from checkpoints.orbax_io import restore_params, save_params
 from checkpoints.tiny import write_random_checkpoint
 from leyline_jax.loader import config_from_hf, convert_hf_params, hf_tensor_shapes
 

@@ -29,8 +29,8 @@ from leyline_jax.loader import (
     convert_hf_params,
     hf_tensor_shapes,
     model_from_params,
-    read_safetensors,
 )
+from leyline_jax.safetensors import read_safetensors
 
 ROOT = Path(__file__).resolve().parents[1]
 

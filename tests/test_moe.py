@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 import leyline_jax as ll
 from checkpoints.tiny import TINY_HF_CONFIGS
-from leyline_jax.config import ROUTER_SIGMOID_GROUPED
+from leyline_jax.hf_config import ROUTER_SIGMOID_GROUPED
 from leyline_jax.loader import config_from_hf
 from leyline_jax.moe import (
     MoEDispatch,

@@ -11,7 +11,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from serve.http import parse_mesh
+from serve.http.backend import parse_mesh
 
 HERE = Path(__file__).parent
 

@@ -23,7 +23,8 @@ import torch
 from conftest import ALL_NAMES, FAMILIES, random_tokens
 
 import leyline_jax as ll
-from leyline_jax.loader import convert_hf_params, model_from_params, read_safetensors
+from leyline_jax.loader import convert_hf_params, model_from_params
+from leyline_jax.safetensors import read_safetensors
 
 FP32_REL = 1e-4
 SEQ = 512  # long enough that RoPE (and YaRN's ramp past original_max_position_embeddings) matters

@@ -1,5 +1,5 @@
 """A small replay through the engine: counters add up per step, the arms behave as defined,
-and the command line writes its three files (under its old name too)."""
+and the command line writes its three files."""
 
 from __future__ import annotations
 
@@ -134,13 +134,3 @@ def test_seeded_sample():
     assert a == replay.seeded_sample(items, 10, seed=0) == sorted(a) and len(set(a)) == 10
     assert a != replay.seeded_sample(items, 10, seed=1) and a != items[:10]
     assert replay.seeded_sample(items, 200, seed=0) == items
-
-
-def test_the_old_names_run_the_same_code():
-    """`python -m serve.replay` and `serve.traces` (the old names) are the benchmarks' own."""
-    from serve import replay as old_replay
-    from serve import traces as old_traces
-
-    assert old_replay.main is cli.main and old_replay.run_arm is replay.run_arm
-    assert old_replay.prompts is replay.prompts and old_replay.make_engine is replay.make_engine
-    assert old_traces.main is traces.main and old_traces.synthetic is traces.synthetic

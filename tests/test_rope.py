@@ -45,7 +45,7 @@ def test_hand_worked_quarter_turn():
 @pytest.mark.parametrize("name", ALL_NAMES)
 def test_inv_freq_matches_hf(name, hf_ckpt, hf_model):
     model = hf_model(hf_ckpt(name))
-    ours = rope.inv_freq(config_from_hf(ALL_CONFIGS[name]))
+    ours = config_from_hf(ALL_CONFIGS[name]).rope_inv_freq()
     ref = model.model.rotary_emb.inv_freq.numpy()
     np.testing.assert_allclose(ours, ref, rtol=2e-7)  # same fp32 ops: at most an ulp apart
 
@@ -59,14 +59,14 @@ def test_yarn_inv_freq_against_float64_formula():
     lo, hi = max(math.floor(wavelen_rot(32)), 0), min(math.ceil(wavelen_rot(1)), d - 1)
     gamma = np.clip((np.arange(d // 2) - lo) / (hi - lo), 0, 1)  # 0: keep, 1: interpolate
     want = theta * (1 - gamma) + theta / f * gamma
-    np.testing.assert_allclose(rope.inv_freq(cfg), want, rtol=1e-6)
-    assert (rope.inv_freq(cfg) < theta.astype(np.float32) * 0.99).any()  # YaRN changed something
+    np.testing.assert_allclose(cfg.rope_inv_freq(), want, rtol=1e-6)
+    assert (cfg.rope_inv_freq() < theta.astype(np.float32) * 0.99).any()  # YaRN changed something
 
 
 @pytest.mark.parametrize("positions", [[0, 1, 7], [511, 4096, 100_000]])
 def test_apply_rope_matches_float64(positions):
     cfg = ll.MLAConfig.from_hf(ALL_CONFIGS["deepseek_v3"])
-    inv = rope.inv_freq(cfg)
+    inv = cfg.rope_inv_freq()
     x = np.random.default_rng(0).standard_normal((len(positions), 16)).astype(np.float32)
     got = np.asarray(rope.apply_rope(jnp.asarray(x), jnp.asarray(positions), inv, cfg.rope_scale))
     # float64 reference evaluated at the fp32 phases the reference model uses
@@ -103,7 +103,7 @@ def test_splice_move_equals_embedding_at_new_position():
     q ~ 9e4 that phase is itself ~4e-3 rad off the exact one; matching the model, not the exact
     value, is the point). Reference: float64 rotation by those fp32 phases."""
     cfg = ll.MLAConfig.from_hf(ALL_CONFIGS["deepseek_v2"])
-    inv = rope.inv_freq(cfg)
+    inv = cfg.rope_inv_freq()
     rng = np.random.default_rng(2)
     x = jnp.asarray(rng.standard_normal((6, 16)), jnp.float32)
     p = jnp.asarray([0, 5, 300, 1000, 4000, 90_000])

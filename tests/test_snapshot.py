@@ -36,7 +36,8 @@ from checkpoints.sessions import read_snapshot, write_snapshot
 from checkpoints.tiny import TINY_HF_CONFIGS, ensure_default_checkpoints, write_random_checkpoint
 from leyline_jax import CheckpointError
 from serve import snapshot
-from serve.engine import Engine, SamplingParams
+from serve.engine import Engine
+from serve.sampling import SamplingParams
 
 PS = 8
 SYSTEM = np.random.default_rng(11).integers(0, 256, 21).tolist()
@@ -237,7 +238,8 @@ RESTORER = textwrap.dedent(
     import jax.numpy as jnp
     import leyline_jax as ll
     from serve import snapshot
-    from serve.engine import Engine, SamplingParams
+    from serve.engine import Engine
+    from serve.sampling import SamplingParams
 
     ckpt, root, engine_kw, turns = sys.argv[1], sys.argv[2], *map(json.loads, sys.argv[3:])
     engine = Engine(ll.load_model(ckpt), kv_dtype=jnp.float32, **engine_kw)
@@ -311,8 +313,8 @@ def test_round_trip_keeps_pins_lineages_and_trees(model, tmp_path):
     """Pins (a session's spans and the radix cache's pinned prefixes), named lineages, MOVE's
     private trees and the lineage of cached pages come back as they were: the next turns
     (a lineage-tree hit, a MOVE from the radix cache, a turn refused by a pin) equal those of
-    the engine that never restarted. A restore that drops them (format 1's meta) is seen to
-    differ: the check can fail."""
+    the engine that never restarted. A restore that loses them (their defaults written over
+    them) is seen to differ: the check can fail."""
     e1 = make_engine(model, move=True)
     ids = verbs_scenario(e1)
     snapshot.save(e1, tmp_path / "full")
@@ -329,17 +331,14 @@ def test_round_trip_keeps_pins_lineages_and_trees(model, tmp_path):
     check_refcounts(e1)
     check_refcounts(e2)
 
-    def as_format_1(arrays, meta):
-        meta["format"] = 1
-        for key in ("radix_pins", "lineage_trees"):
-            del meta[key]
+    def defaults(arrays, meta):  # the lineage trees stay: their pages are bound to them
+        meta["radix_pins"] = []
         for r in meta["sessions"]:
-            for key in ("pins", "lineage", "private", "foreign"):
-                del r[key]
+            r |= {"pins": [], "lineage": f"session:{r['id']}", "private": False, "foreign": False}
         for p in meta["prefixes"]:
-            del p["lineages"]
+            p["lineages"] = [None] * len(p["pages"])
 
-    tamper(tmp_path / "full", tmp_path / "old", as_format_1)
+    tamper(tmp_path / "full", tmp_path / "old", defaults)
     e3 = make_engine(model, move=True)
     snapshot.restore(e3, tmp_path / "old")
     assert kept_state(e3) != kept_state(e1)
@@ -741,10 +740,13 @@ def test_a_tampered_session_snapshot_is_refused(model, saved, tmp_path, how):
     assert snapshot.restore(make_engine(model), saved[0]) is not None  # untampered: restored
 
 
-@pytest.mark.parametrize("how", ["token", "swapped_pages", "no_page_tokens"])
+@pytest.mark.parametrize(
+    "how", ["token", "swapped_pages", "no_page_tokens", "format 1", "format 2"]
+)
 def test_a_rewritten_session_snapshot_is_refused(model, saved, tmp_path, how):
     """The same tampering written as a whole new snapshot (its SHA-256 and crc32s made anew):
-    each record's tokens are bound to the tokens its pages were saved with."""
+    each record's tokens are bound to the tokens its pages were saved with. A snapshot of an
+    older format is refused, saying how to keep its sessions."""
 
     def change(arrays, meta):
         a, b = [s for s in meta["sessions"] if s["cached"] > 0][:2]
@@ -752,12 +754,17 @@ def test_a_rewritten_session_snapshot_is_refused(model, saved, tmp_path, how):
             a["tokens"][3] = (a["tokens"][3] + 1) % 256
         elif how == "swapped_pages":
             a["pages"], b["pages"] = b["pages"], a["pages"]
-        else:
+        elif how == "no_page_tokens":
             del arrays["page_tokens"]
+        else:
+            meta["format"] = int(how[-1])
 
     tamper(saved[0], tmp_path / "rewritten", change)
     e = make_engine(model)
     free = e.pool.free_count()
-    with pytest.raises(CheckpointError, match="page_tokens|do not hold the tokens|disagree"):
+    match = "page_tokens|do not hold the tokens|disagree"
+    if how.startswith("format"):
+        match = "reads format 3 only. To keep its sessions, restore it on a server of a release"
+    with pytest.raises(CheckpointError, match=match):
         snapshot.restore(e, tmp_path / "rewritten")
     assert not e.sessions and e.pool.free_count() == free

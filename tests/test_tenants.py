@@ -22,8 +22,9 @@ import leyline_jax as ll  # noqa: E402
 from checkpoints.tiny import ensure_default_checkpoints  # noqa: E402
 from serve import chat, snapshot  # noqa: E402
 from serve.engine import Engine, SamplingParams  # noqa: E402
-from serve.http import Backend, ServerThread  # noqa: E402
 from serve.http.auth import Tenants  # noqa: E402
+from serve.http.backend import Backend  # noqa: E402
+from serve.http.server import ServerThread  # noqa: E402
 
 ENGINE = dict(num_pages=128, page_size=16, max_seqs=4, kv_dtype=jnp.float32)
 KEY_A, KEY_B, KEY_C = "key-of-tenant-a", "key-of-tenant-b", "key-of-tenant-c"

@@ -15,7 +15,8 @@ from __future__ import annotations
 import dataclasses
 
 from benchmarks.paged_bench import attention_flops
-from leyline_jax.config import ROUTER_SIGMOID_GROUPED, MLAConfig
+from leyline_jax.config import MLAConfig
+from leyline_jax.hf_config import ROUTER_SIGMOID_GROUPED
 
 
 @dataclasses.dataclass(frozen=True)

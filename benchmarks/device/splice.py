@@ -32,7 +32,7 @@ from benchmarks.device.shapes import sizes
 from leyline_jax.allocator import pages_for
 from leyline_jax.loader import config_from_hf
 from leyline_jax.splice import splice_pools
-from pallas_kernels.splice_rotate import Runs, phase_table, plan_runs
+from pallas_kernels.splice_runs import Runs, phase_table, plan_runs
 
 KERNEL_CALLS = {"mosaic_gpu": "mosaic_gpu", "tpu_custom_call": "tpu"}  # call name -> kernel
 

@@ -4,8 +4,6 @@
         --concurrency 1,4,8,16 [--policy truncate --keep 2] [--model PATH|smollm2] [--limit N]
         [--sample N --seed S] [--page-size N --kv-dtype bf16|fp32 --prefill-chunk N] --out DIR
 
-(`python -m serve.replay`, its old name, runs the same.)
-
 Each trace step is the request a harness sent (see `benchmarks.traces`); with `--policy` the policy
 edits the message list first (older tool outputs stubbed). The request (messages and tool
 schemas) is rendered with the model's chat format and tokenizer (`serve.chat.tokenizer_for`:
@@ -81,7 +79,9 @@ from benchmarks.harness import percentile
 from leyline_jax import allocator, paged, splice
 from serve import policies
 from serve.chat import render, render_reply
-from serve.engine import Engine, EngineConfig, SamplingParams, sample
+from serve.engine import Engine
+from serve.engine.config import EngineConfig
+from serve.sampling import SamplingParams, sample
 
 ARMS = ("radix", "amortize", "forget", "scratch", "radix_move", "amortize_move")
 COUNTS = ("prompt", "reused", "spliced", "prefilled", "moved", "scratch")  # a step's tokens

@@ -1,4 +1,4 @@
-"""The replay benchmark's command line: `python -m benchmarks.replay` (or `serve.replay`).
+"""The replay benchmark's command line: `python -m benchmarks.replay`.
 
 Renders the traces, runs the warm-up pass, times every arm at every concurrency and writes
 DIR/results.json (a row of `KEYS` per arm and concurrency), DIR/results.md and DIR/results.png
@@ -18,7 +18,7 @@ from benchmarks.replay import ARMS, COUNTS, REASONING_RULES, compiled, make_engi
 from checkpoints.tiny import ensure_default_checkpoints
 from serve import compile_cache
 from serve.chat import model_path, tokenizer_for
-from serve.engine import EngineConfig
+from serve.engine.config import EngineConfig
 
 WARMUPS = ("compile", "replay", "none")
 # a results.json row's keys, in order
