@@ -72,7 +72,7 @@ import functools
 import jax
 
 from pallas_kernels.dispatch import hopper, on_platform, resolve
-from pallas_kernels.ragged_paged_attention_gpu import ragged_paged_attention_gpu, supports
+from pallas_kernels.ragged_paged_attention_gpu import ragged_paged_attention_gpu, unsupported
 from pallas_kernels.ragged_paged_attention_tpu import (
     DEFAULT_BLOCK_Q,
     ragged_paged_attention_kernel,
@@ -122,13 +122,12 @@ def ragged_paged_attention(
     """Ragged paged MLA attention with the implementation for this backend (contract in the
     module docstring).
 
-    impl: see `pallas_kernels.dispatch` (None: the TPU kernel on TPU for the MLA form, the
-    Mosaic GPU kernel on a Hopper GPU where `ragged_paged_attention_gpu.supports` takes the
-    arrays, both forms; jnp everywhere else, chosen at lowering). `kv_dtype`
-    / `k_pe_dtype`: the float type a band's stored values mean (default: its own dtype;
-    required for raw bits). `q_tiles` tunes the jnp path, `block_q` the kernel, `block_kv`
-    both. Concrete metadata is validated here
-    (`validate_dynamic`); under the caller's jit that is the caller's job.
+    impl: see `pallas_kernels.dispatch` (None: the TPU kernel on TPU for the MLA form, the Mosaic
+    GPU kernel on a Hopper GPU where it takes the arrays, both forms; jnp everywhere else, chosen at
+    lowering). `kv_dtype` / `k_pe_dtype`: the float type a band's stored values mean (default: its
+    own dtype; required for raw bits). `q_tiles` tunes the jnp path, `block_q` the kernel,
+    `block_kv` both. Concrete metadata is validated here (`validate_dynamic`); under the caller's
+    jit that is the caller's job.
     """
     meta = (kv_lens, page_indices, cu_q_lens, num_rows)
     args = (q_lat, q_pe, c_kv, k_pe, *meta)
@@ -143,7 +142,8 @@ def ragged_paged_attention(
         kernels = {}
         if q_lat is not None and fits_tpu(*args, kv_dtype=kv_dtype, k_pe_dtype=k_pe_dtype):
             kernels["tpu"] = functools.partial(tpu, interpret=False)
-        if hopper() and not supports(q_lat, q_pe, c_kv, k_pe, page_indices, kv_type, k_type):
+        gpu_args = (q_lat, q_pe, c_kv, k_pe, page_indices, kv_type, k_type)
+        if hopper() and unsupported(*gpu_args) is None:
             kernels["cuda"] = functools.partial(gpu, interpret=False)
         # the branches take arrays only: q_lat (None in the grouped form) is bound into each
         bound = {p: functools.partial(k, q_lat) for p, k in kernels.items()}

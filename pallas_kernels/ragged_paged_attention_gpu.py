@@ -28,10 +28,10 @@ reach a result. On an H200 the outputs are within 0.9-1.5e-5 of float64 at 4k-32
 jnp path's: 0.3-1.6e-6; not chased: the tensor cores' fp32 accumulation is a likely cause).
 
 The host side (`pallas_kernels.ragged_paged_gpu_plan`): the static `Plan`, the token items, the
-query columns and the merge of the kv splits. Shapes it takes (`supports`): the moved band bf16
-(stored as bf16 or its bits), the rotated band fp32 or bf16; both bands' widths multiples of 64
-(a 128-byte swizzled bf16 row); a page size dividing 64 and at least 8; head blocks that tile
-the heads; the scratch within shared memory. The dispatch sends every other case to jnp.
+query columns and the merge of the kv splits. Shapes it takes (`unsupported` says why not): the
+moved band bf16 (stored as bf16 or its bits), the rotated band fp32 or bf16; both bands' widths
+multiples of 64 (a 128-byte swizzled bf16 row); a page size dividing 64 and at least 8; head blocks
+that tile the heads; the scratch within shared memory. The dispatch sends every other case to jnp.
 
 Speed (H200, one V2-Lite layer, decode of C rows at 32k tokens): 13-16% of the copy bandwidth
 at C = 32 / 128, 35-40x the jnp path; no stage overlaps another within a program (one block's
@@ -57,8 +57,8 @@ from pallas_kernels.ragged_paged_gpu_plan import (
     merge,
     plan_for,
     split3,
-    supports,
     token_items,
+    unsupported,
 )
 
 _F32, _BF16 = jnp.float32, jnp.bfloat16
@@ -267,7 +267,7 @@ def ragged_paged_attention_gpu(
     """The Mosaic GPU kernel; same contract as `ref_ragged_paged_attention` (validated by the
     caller). `kv_type` / `k_type`: the float types the bands' stored values mean.
     `interpret`: False (compiled, on a Hopper GPU) or True (Mosaic GPU's interpreter)."""
-    if why := supports(q_lat, q_pe, c_kv, k_pe, page_indices, kv_type, k_type):
+    if why := unsupported(q_lat, q_pe, c_kv, k_pe, page_indices, kv_type, k_type):
         raise ValueError(f"the GPU attention kernel does not take these arrays: {why}")
     (t, n, _), page_size = q_pe.shape, c_kv.shape[1]
     if t == 0:

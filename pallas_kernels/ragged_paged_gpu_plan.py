@@ -1,8 +1,8 @@
-"""The work plan of ragged_paged_attention's GPU kernel (`ragged_paged_attention_gpu`, whose
-module docstring describes the kernel): its static shape (`Plan`: query columns per
-program, head blocks, token items, kv splits), which arrays it takes (`supports`), the token
-items and the query columns made before the call, and the kv splits' merge after it; the bf16
-terms of an fp32 operand (`split3` in the kernel, `split3_bits` in XLA).
+"""The work plan of ragged_paged_attention's GPU kernel (`ragged_paged_attention_gpu`, whose module
+docstring describes the kernel): its static shape (`Plan`: query columns per program, head blocks,
+token items, kv splits), which arrays it takes (`unsupported` says why not), the token items and the
+query columns made before the call, and the kv splits' merge after it; the bf16 terms of an fp32
+operand (`split3` in the kernel, `split3_bits` in XLA).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def plan_for(q_lat, q_pe, c_kv, k_pe, page_indices, k_type) -> Plan | str:
     return f"no block of query columns fits {heads} heads of widths {dv}, {dk} in shared memory"
 
 
-def supports(q_lat, q_pe, c_kv, k_pe, page_indices, kv_type, k_type) -> str | None:
+def unsupported(q_lat, q_pe, c_kv, k_pe, page_indices, kv_type, k_type) -> str | None:
     """None when the kernel takes these arrays (see the module docstring), else why not."""
     if jnp.dtype(kv_type) != jnp.dtype(_BF16):
         return f"the moved band holds {jnp.dtype(kv_type).name}, not bfloat16"

@@ -61,7 +61,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.dispatch import hopper, on_platform, resolve
-from pallas_kernels.splice_rotate_gpu import splice_rotate_gpu, supports
+from pallas_kernels.splice_rotate_gpu import splice_rotate_gpu, unsupported
 from pallas_kernels.splice_runs import (  # noqa: F401  (the contract's names, re-exported)
     DEFAULT_MAX_RUN,
     Runs,
@@ -374,7 +374,7 @@ def splice_rotate(
 ):
     """Move + rotate every layer's pools (`cs` [S, Dc], `ks` [S, Dk] per layer) along `runs`.
     impl: see `pallas_kernels.dispatch` (None: the TPU kernel on TPU, the Mosaic GPU kernel on
-    CUDA where it takes the pools (`splice_rotate_gpu.supports`) and the GPU is a Hopper, jnp
+    a Hopper GPU where it takes the pools (`splice_rotate_gpu.unsupported` is None), jnp
     otherwise, chosen at lowering). `k_dtype`: see `splice_rotate_ref`; `table`: a
     `phase_table`, used by the jnp path. The kernels donate the pools. Concrete runs are
     validated here (`validate_runs_dynamic`); under the caller's jit that is the caller's job.
@@ -386,7 +386,7 @@ def splice_rotate(
     if impl is None:
         jnp_path = functools.partial(splice_rotate_jnp, table=table, **kw)
         kernels = dict(tpu=functools.partial(splice_rotate_tpu, interpret=False, **kw))
-        if supports(cs, ks, inv_freq, max_run) is None and hopper():
+        if unsupported(cs, ks, inv_freq, max_run) is None and hopper():
             kernels["cuda"] = functools.partial(splice_rotate_gpu, interpret=False, **kw)
         return on_platform(jnp_path, (tuple(cs), tuple(ks), Runs(*runs), inv_freq), **kernels)
     name, target, interpret = resolve(impl, TARGETS)

@@ -17,10 +17,10 @@ turn:
   written to a second SMEM window, and its pieces go out by TMA (SMEM -> GMEM) at the
   destination. Rows past the run's length are never stored.
 
-Shapes it takes (`supports`): a `c` row a multiple of 128 elements (a warpgroup's lanes); a `k`
-row a whole number of 128 bytes (Mosaic GPU's copy lowering takes byte counts divisible by a
-warpgroup's 128 threads); window x D/2 a multiple of 256 (two values a lane; 16 x 32 for MLA's
-`k_pe`); two `k` windows within 200 KB of shared memory. The pools are updated in place
+Shapes it takes (`unsupported` says why not): a `c` row a multiple of 128 elements (a warpgroup's
+lanes); a `k` row a whole number of 128 bytes (Mosaic GPU's copy lowering takes byte counts
+divisible by a warpgroup's 128 threads); window x D/2 a multiple of 256 (two values a lane; 16 x 32
+for MLA's `k_pe`); two `k` windows within 200 KB of shared memory. The pools are updated in place
 (passed as refs). Runs must keep the run contract (`validate_runs_dynamic`, checked here when
 they are concrete): the copies are told their rows are inside the pool.
 """
@@ -58,7 +58,7 @@ def window_of(max_run: int) -> int:
     return 1 << (max_run - 1).bit_length()
 
 
-def supports(cs, ks, inv_freq, max_run: int = DEFAULT_MAX_RUN) -> str | None:
+def unsupported(cs, ks, inv_freq, max_run: int = DEFAULT_MAX_RUN) -> str | None:
     """None when the kernel takes these pools, else why not (see the module docstring)."""
     h, window = int(np.shape(inv_freq)[0]), window_of(max_run)
     k_width, k_type = ks[0].shape[1], jnp.dtype(ks[0].dtype)
@@ -205,7 +205,7 @@ def splice_rotate_gpu(
     validate_runs_static(cs, ks, runs, inv_freq, max_run)
     if not any(isinstance(a, jax.core.Tracer) for a in runs):
         validate_runs_dynamic(cs[0].shape[0], runs, max_run)
-    if why := supports(cs, ks, inv_freq, max_run):
+    if why := unsupported(cs, ks, inv_freq, max_run):
         raise ValueError(f"the GPU splice kernel does not take these pools: {why}")
     k_dtype = jnp.dtype(ks[0].dtype if k_dtype is None else k_dtype)
     return _call(

@@ -28,6 +28,7 @@ shapes only.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import pickle
 
 import numpy as np
@@ -50,12 +51,6 @@ def initialize(
         coordinator, num_processes=num_processes, process_id=process_id,
         heartbeat_timeout_seconds=heartbeat_s,
     )  # fmt: skip
-
-
-def is_leader() -> bool:
-    import jax
-
-    return jax.process_index() == 0
 
 
 def _broadcast(payload: bytes | None) -> bytes:
@@ -87,12 +82,12 @@ def _collectives_at_start(engine) -> None:
 
 
 class Lockstep:
-    """The leader's engine: reads pass through; `open_session`, `close_session`,
-    `submit_prompt`, `submit`, `cancel`, pins and `reset_prefix_cache` are applied and
-    recorded; `step()` broadcasts the record, then steps; `stop()` releases the followers."""
-
-    _RECORDED = ("open_session", "close_session", "pin", "unpin", "pin_prefix", "unpin_prefix",
-                 "reset_prefix_cache")  # fmt: skip
+    """The leader's engine. Each engine method says how it is kept in lockstep (its
+    `serve.engine.lockstep` mark): a "read" passes through; a "replay" (sessions, pins, the
+    prefix cache's reset) is applied and recorded; the "own" ones are this class's methods
+    (turns, cancels, steps, reads of the pools); a "setup" one, or one not marked, is refused
+    (every process makes a setup call itself, before the group serves). `step()` broadcasts
+    the record, then steps; `stop()` releases the followers."""
 
     def __init__(self, engine):
         _collectives_at_start(engine)
@@ -103,8 +98,17 @@ class Lockstep:
 
     def __getattr__(self, name):
         attr = getattr(self.engine, name)
-        if name not in self._RECORDED:
+        method = getattr(type(self.engine), name, None)
+        if not inspect.isfunction(method):
+            return attr  # an attribute or a property: reading it
+        kind = getattr(method, "lockstep", None)
+        if kind == "read":
             return attr
+        if kind != "replay":
+            raise AttributeError(
+                f"Engine.{name} ({kind or 'not marked'}) cannot be called on a group's leader: "
+                "its followers would not make it (serve.engine.lockstep)"
+            )
 
         def recorded(*args, **kw):
             self._record.append((name, args, kw))
@@ -147,6 +151,13 @@ class Lockstep:
         _broadcast(pickle.dumps(record))
         self.engine.step()
         self._turns = {k: v for k, v in self._turns.items() if not v[1].finished}
+
+    def run_until_idle(self, max_steps: int = 1_000_000) -> None:
+        for _ in range(max_steps):
+            if self.engine.idle():
+                return
+            self.step()
+        raise RuntimeError("the engine did not go idle")
 
     def stop(self) -> None:
         _broadcast(pickle.dumps(_STOP))

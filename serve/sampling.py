@@ -13,13 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from leyline_jax.hf_config import is_int
+
 # the most alternatives a token's log-probability comes with (`SamplingParams.logprobs`; as
 # vLLM's default `max_logprobs`, OpenAI's `top_logprobs` bound)
 MAX_LOGPROBS = 20
-
-
-def is_int(v) -> bool:
-    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
 
 
 def is_real(v) -> bool:
@@ -120,19 +118,20 @@ def penalize(logits, add, scale):
     return logits + add
 
 
-def tokens(logits, turns, emitted: set[int]) -> jax.Array:
+def tokens(logits, turns, emitted: set[int], texts) -> jax.Array:
     """A step's draw (i32[B] on the device) from its logits [B, V]: one row per turn of `turns`
     (`serve.engine.Request`s), then padding. Every row is drawn (padding and turns still
     prefilling are discarded), so it compiles one shape per row bucket, like the step; the
     turns in `emitted` (indices) take theirs, under their grammars' masks; penalties where a
-    turn asks (else nothing more runs)."""
+    turn asks (else nothing more runs), over `texts[i]`, every token of turns[i]'s session
+    (its prompt and output so far)."""
     pad = logits.shape[0] - len(turns)
 
     def col(values, dtype):
         return jnp.asarray(np.asarray(values + [values[0]] * pad, dtype))
 
     if any(turns[i].sampling.penalized for i in emitted):
-        ops = [(r.sampling, r.output, r.session.tokens) for r in turns]
+        ops = [(r.sampling, r.output, text) for r, text in zip(turns, texts, strict=True)]
         logits = penalize(logits, *penalties(ops, logits.shape))
     return sample(
         logits,

@@ -101,7 +101,7 @@ def capture(
     for s in sorted(engine.sessions.values(), key=lambda s: s.last_used):
         cached = s.cached if s.seq is not None else 0
         whole = s.token_list()  # an idle offloaded session stays packed
-        tokens = whole[:cached] if s.busy else whole
+        tokens = whole[:cached] if engine.table.busy(s) else whole
         row = engine.pool.seq_pages(s.seq) if cached else []
         if cached and st.token_ids[s.seq].tolist() != tokens[:cached]:
             raise RuntimeError(f"session {s.id}: its tokens do not describe its sequence's KV")

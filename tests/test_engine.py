@@ -19,7 +19,8 @@ from conftest import DEFAULT_BUCKET_GROWTH
 import leyline_jax as ll
 from leyline_jax import directives as dv
 from leyline_jax import paged, splice
-from serve.engine import Engine, RequestError, SamplingParams, sample
+from serve.engine import Engine, RequestError, SamplingParams
+from serve.sampling import sample
 
 PS = 8
 SYSTEM = np.random.default_rng(7).integers(0, 256, 21).tolist()

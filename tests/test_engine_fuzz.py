@@ -493,7 +493,7 @@ class EngineMachine(RuleBasedStateMachine):
     def bad_submission(self, data):
         """Refused at submit, with the documented error; nothing is queued."""
         sid = data.draw(st.sampled_from(sorted(self.sessions)), "session")
-        queued = len(self.engine.scheduler.queued)
+        queued = len(self.engine.table.queued)
         what = data.draw(
             st.sampled_from(["sampling", "token", "type", "stop", "scratch", "decay"]), "bad"
         )
@@ -515,14 +515,14 @@ class EngineMachine(RuleBasedStateMachine):
             else:  # a DECAY's text needs the session's KV: not inside a whole prompt
                 d = Directive(0, 1, (), Mode.DECAY, budget=1)
                 self.engine.submit_prompt(sid, prompt, directives=[d])
-        assert len(self.engine.scheduler.queued) == queued
+        assert len(self.engine.table.queued) == queued
 
     @precondition(lambda self: self.sessions)
     @rule(data=st.data())
     def close(self, data):
         sid = data.draw(st.sampled_from(sorted(self.sessions)), "session")
         m = self.sessions[sid]
-        busy = bool(self.engine.sessions[sid].queue) or self.engine.sessions[sid].active
+        busy = self.engine.table.busy(self.engine.sessions[sid])
         if busy:
             with pytest.raises(ValueError, match="in flight"):
                 self.engine.close_session(sid)
@@ -536,11 +536,11 @@ class EngineMachine(RuleBasedStateMachine):
     @rule(steps=st.integers(1, 3))
     def step(self, steps):
         for _ in range(steps):
-            queued = len(self.engine.scheduler.queued)
+            queued = len(self.engine.table.queued)
             stalled = queued and not any(s.active for s in self.engine.sessions.values())
             self.engine.step()
             if stalled:  # queued for a reason: with nothing running, nothing may block a turn
-                assert len(self.engine.scheduler.queued) < queued, "a queued turn is wedged"
+                assert len(self.engine.table.queued) < queued, "a queued turn is wedged"
             self._settle()
 
     @rule()
@@ -737,10 +737,10 @@ class EngineMachine(RuleBasedStateMachine):
     def turns_are_accounted_for(self):
         """Every turn is finished, running (its session's active turn), or queued in order
         (why it waits is checked by `step`: with nothing running, a step admits or fails one)."""
-        queued = [r for _, r in self.engine.scheduler.queued]
+        queued = list(self.engine.table.queued)
         for s in self.engine.sessions.values():
             assert s.active is None or s.active.status in ("prefill", "decode")
-            assert all(r.status == "queued" and r in queued for r in s.queue)
+            assert all(r.status == "queued" and r in queued for r in self.engine.table.turns(s))
         for m in self.sessions.values():
             for t in m.turns:
                 r = t.req

@@ -417,7 +417,7 @@ def test_bad_scratch_spans(model):
     for spans in bad:
         with pytest.raises(DirectiveError):
             eng.submit_prompt(s, prompt, scratch=spans)
-    assert not eng.scheduler.queued
+    assert not eng.table.queued
     for spans in bad:
         before = look(eng, s)
         r = eng.submit(s, [1, 2], scratch=spans)
@@ -652,7 +652,7 @@ def test_callers_cannot_name_engine_pages_or_lineages(model):
         eng.submit(s, [1], directives=[d])
     with pytest.raises(DirectiveError, match="pages="):
         eng.submit_prompt(s, eng.sessions[s].tokens + [1, 2], directives=[d])
-    assert not eng.scheduler.queued
+    assert not eng.table.queued
     with pytest.raises(ValueError, match="session:"):
         eng.open_session(lineage=f"session:{s}")
 

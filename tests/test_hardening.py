@@ -128,7 +128,7 @@ def test_submit_refuses_what_is_not_sampling_params_or_out_of_vocab_stops(model)
         engine.submit(s, [1], sampling={"temperature": 1.0})
     with pytest.raises(ValueError, match="stop"):
         engine.submit(s, [1], sampling=SamplingParams(stop_tokens=(10**6,)))
-    assert not engine.sessions[s].queue
+    assert not engine.table.turns(engine.sessions[s])
 
 
 # ---- 3. an edits-only turn applies its directives as given -----------------------------------
@@ -259,7 +259,7 @@ def test_engine_refuses_non_integer_tokens(model):
             engine.submit(s, bad)
         with pytest.raises(ValueError, match="token"):
             engine.submit_prompt(s, bad)
-    assert not engine.sessions[s].queue
+    assert not engine.table.turns(engine.sessions[s])
     for bad_session in (True, 0.0, "0", 99):
         with pytest.raises(KeyError):
             engine.submit(bad_session, [1])

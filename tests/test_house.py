@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -216,3 +217,62 @@ def test_the_import_rules_fail_on_a_broken_graph(case):
         graph["leyline_jax.paged"].add("serve.engine")
         assert any(layer(d) > layer(m) for m, deps in graph.items() for d in deps)
 
+
+# ---- the design's code map lists every module ------------------------------------------------
+def code_map(text: str) -> dict[str, set[str]]:
+    """docs/design.md's "Code map": folder -> the names in backticks on its lines (a folder
+    heads its block as `` `serve/engine/` ``; a bullet opening with `` `sub/` `` lists that
+    subfolder's modules)."""
+    section = text.split("\n## Code map\n", 1)[1].split("\n## ", 1)[0]
+    out: dict[str, set[str]] = {}
+    folder = target = None
+    for line in section.splitlines():
+        head = re.fullmatch(r"`([\w/]+/)`", line.strip())
+        if head:
+            folder = target = head.group(1)
+            out.setdefault(folder, set())
+            continue
+        names = re.findall(r"`([^`]+)`", line)
+        if folder is None:
+            continue
+        if line.startswith("- "):
+            target = folder + names[0] if names and names[0].endswith("/") else folder
+            out.setdefault(target, set())
+        out[target] |= set(names)
+    return out
+
+
+def unlisted(mapped: dict[str, set[str]], modules: list[Path]) -> list[str]:
+    """Modules (paths relative to the repository) the map does not name in their folder's
+    block; an `__init__.py` holding only a docstring need not be named."""
+    out = []
+    for p in modules:
+        rel = p.relative_to(REPO)
+        folder = rel.parent.as_posix() + "/"
+        tree = ast.parse(p.read_text())
+        bare = p.name == "__init__.py" and all(
+            isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant) for n in tree.body
+        )
+        names = mapped.get(folder, set())
+        if not bare and p.stem not in names and p.name not in names:
+            out.append(rel.as_posix())
+    return out
+
+
+def modules() -> list[Path]:
+    return [p for pkg in PACKAGES for p in sorted((REPO / pkg).rglob("*.py"))]
+
+
+def test_the_code_map_lists_every_module():
+    mapped = code_map((REPO / "docs" / "design.md").read_text())
+    assert unlisted(mapped, modules()) == []
+    gone = [f + n for f, names in mapped.items() for n in names
+            if n.endswith(".py") and not (REPO / f / n).is_file()]  # fmt: skip
+    assert gone == []
+
+
+def test_the_code_map_check_fails_on_an_unlisted_module(tmp_path):
+    text = (REPO / "docs" / "design.md").read_text()
+    assert "- `batch.py`:" in text
+    cut = "\n".join(x for x in text.splitlines() if not x.startswith("- `batch.py`:"))
+    assert unlisted(code_map(cut), modules()) == ["serve/engine/batch.py"]

@@ -112,13 +112,13 @@ def test_the_check_can_fail():
 def test_a_kernel_past_shared_memory_fails_the_gate(monkeypatch):
     """The gate's other half: a GPU splice whose windows cannot fit a Hopper's 227 KB of shared
     memory (runs of 256 rows: two windows of Llama-8B's 2 KB K rows, 1 MB) is refused when
-    lowered, as the old GPU kernel was (`supports` keeps such pools on jnp first: here it is
+    lowered, as the old GPU kernel was (`unsupported` keeps such pools on jnp first: here it is
     told not to); the real window (16 rows: 64 KB) lowers."""
     args = splice_args("llama-8b")
     big = lambda cs, ks, r, inv: splice_rotate_gpu.splice_rotate_gpu(  # noqa: E731
         cs, ks, r, inv, k_dtype=jnp.bfloat16, max_run=256
     )
-    monkeypatch.setattr(splice_rotate_gpu, "supports", lambda *a, **k: None)
+    monkeypatch.setattr(splice_rotate_gpu, "unsupported", lambda *a, **k: None)
     with pytest.raises(Exception, match="shared memory"):
         exported_text(big, args, ["cuda"])
     monkeypatch.undo()

@@ -151,8 +151,8 @@ class TestGpuInterpret(GpuKernelTest):
             np.random.default_rng(4), MIX[:2], page_size=4, c_dtype=jnp.bfloat16, **WIDTH
         )
         a = b.args()
-        assert "page_size 4" in gpu.supports(*a[:4], a[5], jnp.bfloat16, jnp.float32)
-        assert "float32, not bfloat16" in gpu.supports(*a[:4], a[5], jnp.float32, jnp.float32)
+        assert "page_size 4" in gpu.unsupported(*a[:4], a[5], jnp.bfloat16, jnp.float32)
+        assert "float32, not bfloat16" in gpu.unsupported(*a[:4], a[5], jnp.float32, jnp.float32)
         with pytest.raises(ValueError, match="does not take"):
             run(make_batch(np.random.default_rng(4), MIX[:2], page_size=4, **WIDTH))
 

@@ -82,11 +82,11 @@ def page_pairs(e1: Engine, e2: Engine, tokens: dict[int, list[int]]) -> list[tup
     pairs = []
     for sid, s1 in e1.sessions.items():
         s2 = e2.sessions[sid]
-        busy = s1.active is not None or bool(s1.queue)
+        busy = e1.table.busy(s1)
         cached = s1.cached if s1.seq is not None else 0
         assert s2.tokens == (s1.tokens[:cached] if busy else s1.tokens), sid
         assert (s2.cached, s2.clean) == (cached, min(s1.clean, cached)), sid
-        assert (s2.seq is None) == (cached == 0) and not s2.active and not s2.queue, sid
+        assert (s2.seq is None) == (cached == 0) and not e2.table.busy(s2), sid
         if cached:
             n = -(-cached // PS)
             r1, r2 = e1.state.page_table[s1.seq, :n], e2.state.page_table[s2.seq, :n]

@@ -2,9 +2,9 @@
 interpreter here (simulated SMEM, barriers and copies) and compiled on a Hopper GPU (the device
 suite runs those: accelerator only), against the float64 model and the jnp path.
 
-Shapes are ones the kernel takes (`supports`: c rows of 128 elements, k rows of 128 bytes,
-window x D/2 a multiple of 256), each band both typed and stored as raw bits. Tolerances as in
-test_splice_rotate.py: `c` bit-exact; rotated `k` within 2e-6 x |k| of the float64 model for
+Shapes are ones the kernel takes (`unsupported` is None: c rows of 128 elements, k rows of 128
+bytes, window x D/2 a multiple of 256), each band both typed and stored as raw bits. Tolerances as
+in test_splice_rotate.py: `c` bit-exact; rotated `k` within 2e-6 x |k| of the float64 model for
 fp32 storage (4e-3 for bf16), and within 1e-6 x |k| of the jnp path, which computes cos/sin by
 the same identities."""
 
@@ -147,19 +147,19 @@ def test_shapes_it_does_not_take_are_refused():
     c, k = np.zeros((1, SLOTS, 8), np.float32), np.zeros((1, SLOTS, 64), np.float32)
     runs = runs_of([0], [40], [3], [0], [1])
     odd_k = [jnp.zeros((4, 40), jnp.bfloat16)]  # 80 bytes
-    assert "k row (40 x bfloat16)" in gpu.supports([jnp.zeros((4, 128))], odd_k, inv_freq(20))
-    assert "shared memory" in gpu.supports(
+    assert "k row (40 x bfloat16)" in gpu.unsupported([jnp.zeros((4, 128))], odd_k, inv_freq(20))
+    assert "shared memory" in gpu.unsupported(
         [jnp.zeros((4, 128))], [jnp.zeros((4, 4096), jnp.bfloat16)], inv_freq(64)
     )
     with pytest.raises(ValueError, match="c row of 8 is not a multiple of 128 elements"):
         gpu.splice_rotate_gpu(
             tuple(map(jnp.asarray, c)), tuple(map(jnp.asarray, k)), runs, inv_freq(64)
         )
-    assert "window 16 x D/2 4" in gpu.supports(
+    assert "window 16 x D/2 4" in gpu.unsupported(
         [jnp.zeros((4, 128))], [jnp.zeros((4, 64))], inv_freq(8)
     )
     assert (
-        gpu.supports([jnp.zeros((4, 512), jnp.bfloat16)], [jnp.zeros((4, 64))], inv_freq(64))
+        gpu.unsupported([jnp.zeros((4, 512), jnp.bfloat16)], [jnp.zeros((4, 64))], inv_freq(64))
         is None
     )
 

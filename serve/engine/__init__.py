@@ -6,13 +6,16 @@ The imperative shell around the functional core, split by job (read in this orde
 - `intake`: what `submit` checks before a turn is queued;
 - `planner`: pure host planning (a turn's edit of its session's tokens and KV, MOVE's sources);
 - `pool`: the one owner of the paged KV state; `caches`: the radix prefix cache and the
-  lineage rule; `sessions`: sessions, their sequence slots and pins;
-- `scheduler`: the queue, admission and making room; `runner`: the device work (a turn's edit,
-  the ragged step, sampling, SCRATCH, the warmup's shapes); `warmup`: compiling those shapes
-  one at a time, with progress.
+  lineage rule; `sessions`: sessions, their sequence slots, pins and the queue of turns (the
+  one writer of every session fact);
+- `batch`: what a step passes between its parts, as values;
+- `scheduler`: admission, making room, and the step's `Batch`; `runner`: the batch's device
+  work (the admitted turns' edits, the ragged step, the draw) and what it did (`Ran`);
+  `postprocess`: what the step did, recorded (turns' progress and ends, the radix cache,
+  SCRATCH); `warmup`: compiling every shape the steps take, one at a time, with progress.
 
-`Engine` only sequences them: `step()` is the scheduler's admissions, then the runner's one
-ragged step over every running turn's prefill chunk or decode token, then sampling.
+`Engine` only sequences them: `step()` is `schedule() -> Batch`, `execute(Batch) -> Ran`,
+`postprocess(Batch, Ran)`.
 """
 
 from __future__ import annotations
@@ -26,27 +29,27 @@ import leyline_jax as ll
 from leyline_jax.config import check_ids, check_tokens
 from leyline_jax.directives import Mode
 from serve.engine import intake
-from serve.engine.caches import OWN_LINEAGE, PrefixCaches
+from serve.engine.caches import PrefixCaches
 from serve.engine.config import EngineConfig
 from serve.engine.pool import Pool
+from serve.engine.postprocess import Postprocess
 from serve.engine.runner import Runner
 from serve.engine.scheduler import Scheduler
 from serve.engine.sessions import SessionTable
 from serve.engine.types import (
-    Admission,
     Request,
     RequestError,
     Session,
     Status,
     TurnCancelled,
     TurnStats,
+    lockstep,
 )
 from serve.engine.warmup import Warmup
-from serve.sampling import SamplingParams, sample
+from serve.sampling import SamplingParams
 
+# the engine's public surface: the front, its settings and what a turn is made of and returns
 __all__ = [
-    "OWN_LINEAGE",
-    "Admission",
     "Engine",
     "EngineConfig",
     "Request",
@@ -56,7 +59,6 @@ __all__ = [
     "Status",
     "TurnCancelled",
     "TurnStats",
-    "sample",
 ]
 
 
@@ -71,12 +73,12 @@ class Engine:
         self.pool = Pool(model, self.config, mesh)
         self.caches = PrefixCaches(self.pool, self.config.radix)
         self.table = SessionTable(self.pool, self.caches, self.counters)
-        self.runner = Runner(self.pool, self.table, self.caches, self.config, self.counters)
-        self.scheduler = Scheduler(self.table, self.runner, self.counters)
+        self.scheduler = Scheduler(self.table, self.pool, self.caches, self.config, self.counters)
+        self.runner = Runner(self.pool, self.caches)
+        self.postprocess = Postprocess(self.pool, self.table, self.caches, self.counters)
 
     # the parts' state, as callers and tests read it
     model = property(lambda self: self.pool.model)
-    read_pages = property(lambda self: self.pool.read_pages)  # a collective in a group
     page_size = property(lambda self: self.config.page_size)
     sessions = property(lambda self: self.table.sessions)
     radix = property(lambda self: self.caches.radix)
@@ -101,6 +103,7 @@ class Engine:
         self.pool.state = value
 
     # ---- sessions ---------------------------------------------------------------------------
+    @lockstep("replay")
     def open_session(self, *, lineage: str | None = None, salt: str = "") -> int:
         """A new session. `salt` (like vLLM's `cache_salt`; a tenant's) names the radix cache
         it shares: it finds only prefixes that sessions of the same salt cached, and its own
@@ -108,12 +111,14 @@ class Engine:
         copy into it: those that sessions of the same lineage (and salt) cached."""
         return self.table.open(lineage, salt)
 
+    @lockstep("replay")
     def close_session(self, session: int) -> None:
         """Close a session after its turns finish; its clean prefix stays in the radix cache
         (and, after MOVE, its other KV in its lineage's private tree, unless the lineage was
         its own)."""
         self.table.close(session)
 
+    @lockstep("replay")
     def pin(self, session: int, start: int, end: int) -> None:
         """Pin tokens [start, end) of a session (its coordinates now): no directive may cut
         into them unless it says `override_pin` (the pin is then dropped), policies leave the
@@ -123,21 +128,30 @@ class Engine:
         edits before them. Raises KeyError (session) or DirectiveError (span)."""
         self.table.pin(session, start, end)
 
+    @lockstep("replay")
     def unpin(self, session: int, start: int, end: int) -> None:
         """Drop one pin of exactly [start, end) (as `pins(session)` lists it); ValueError if
         there is none. The session's KV returns to normal LRU offloading once it holds no pin."""
         self.table.unpin(session, start, end)
 
+    @lockstep("own")
+    def read_pages(self, ids):
+        """Host copies of the pages `ids` (`Pool.read_pages`; a collective in a group)."""
+        return self.pool.read_pages(ids)
+
+    @lockstep("read")
     def pins(self, session: int) -> list[tuple[int, int]]:
         """The session's pinned spans, in its coordinates now."""
         return list(self.table.get(session).pins)
 
+    @lockstep("replay")
     def pin_prefix(self, tokens: Sequence[int]) -> int:
         """Pin the radix cache's whole pages of the longest cached prefix of `tokens` (a system
         prompt, say): never evicted under pressure until `unpin_prefix`. Returns how many
         tokens are pinned (0 without a radix cache)."""
         return self._prefix_pins(tokens, +1)
 
+    @lockstep("replay")
     def unpin_prefix(self, tokens: Sequence[int]) -> int:
         """Undo one `pin_prefix(tokens)`; returns how many tokens it unpinned."""
         return self._prefix_pins(tokens, -1)
@@ -149,6 +163,7 @@ class Engine:
         pages = self.radix.pin(toks) if delta > 0 else self.radix.unpin(toks)
         return len(pages) * self.page_size
 
+    @lockstep("setup")
     def restore_session(
         self, session: int, tokens: Sequence[int], *, pages=(), cached: int = 0, clean: int = 0,
         pins=(), lineage: str | None = None, private: bool = False, foreign: bool = False,
@@ -170,6 +185,7 @@ class Engine:
             session, tokens, pages, cached, clean, pins, lineage, private, foreign, salt
         )
 
+    @lockstep("setup")
     def restore_prefix(self, tokens: Sequence[int], pages: Sequence[int]) -> int:
         """Offer the radix cache `tokens` (len(pages) whole pages) whose KV, as a fresh prefill
         of them gives it, is held in `pages` (pages in use: a snapshot's prefix cache); the
@@ -186,6 +202,7 @@ class Engine:
             raise ValueError("prefix pages must be pages in use")
         return self.caches.restore_prefix(toks, p)
 
+    @lockstep("replay")
     def reset_prefix_cache(self) -> int:
         """Empty the radix prefix cache (like vLLM's `reset_prefix_cache`): every salt's tree
         (and every lineage's private tree) drops every reference it holds, and pages no session
@@ -195,12 +212,14 @@ class Engine:
         self.caches.clear()
         return self.pool.free_count() - before
 
+    @lockstep("read")
     def cache_pages(self) -> list[int]:
         """Every page reference the prefix caches hold: the radix cache's and the lineages'
         private trees' (a page in both is listed twice: each holds a reference)."""
         return self.caches.pages()
 
     # ---- turns -------------------------------------------------------------------------------
+    @lockstep("own")
     def submit(
         self, session: int, tokens: Sequence[int], *, directives=(), sampling=None,
         scratch=(), scratch_tags=None, move: bool | None = None,
@@ -222,8 +241,9 @@ class Engine:
         vocab = self.model.config.vocab_size
         req = intake.turn(self, self.table.get(session), tokens, directives, sampling, vocab)
         intake.options(req, scratch, scratch_tags, move, None, vocab)
-        return self.scheduler.queue(req)
+        return self.table.enqueue(req)
 
+    @lockstep("own")
     def submit_prompt(
         self, session: int, prompt: Sequence[int], *, mode: Mode = Mode.AMORTIZE,
         sampling=None, directives=(), scratch=(), scratch_tags=None, move: bool | None = None,
@@ -241,8 +261,9 @@ class Engine:
         vocab, s = self.model.config.vocab_size, self.table.get(session)
         req, n = intake.prompt_turn(self, s, prompt, mode, directives, sampling, vocab)
         intake.options(req, scratch, scratch_tags, move, n, vocab)
-        return self.scheduler.queue(req)
+        return self.table.enqueue(req)
 
+    @lockstep("own")
     def cancel(self, request: Request, *, stop: bool = False) -> bool:
         """End a queued or running turn where it stands (between steps), failing it with
         `TurnCancelled`; returns whether it was still live. Its session keeps what the turn did
@@ -257,24 +278,26 @@ class Engine:
         if request.finished:
             return False
         if stop and request.status is Status.DECODE:
-            self.runner.finish(request, time.perf_counter())
+            self.postprocess.finish(request, time.perf_counter())
             self.counters["stopped_turns"] += 1
             return True
         if request.status is Status.QUEUED:
-            self.scheduler.drop(request)
+            self.table.dequeue(request)
         else:
-            request.session.active = None
+            self.table.end(request.session)
             self.caches.cache_prefix(request.session)
         request.fail(TurnCancelled("the turn was cancelled"))
         self.counters["cancelled_turns"] += 1
         return True
 
     # ---- the loop ----------------------------------------------------------------------------
+    @lockstep("setup")
     def warmup(self) -> int:
         """Compile every shape this engine's steps can take (`warmup_plan`), logging progress;
         how many there are. After it serving compiles nothing."""
         return self.warmup_plan().run()
 
+    @lockstep("setup")
     def warmup_plan(self) -> Warmup:
         """The shapes to compile, one at a time (`serve.engine.warmup.Warmup`): each step
         shape (token buckets up to `max_num_batched_tokens`, `leyline_jax.paged.step_shapes`)
@@ -283,9 +306,12 @@ class Engine:
         each run once on padding that changes nothing."""
         return Warmup(self.runner.warmup_plan())
 
+    @lockstep("read")
     def idle(self) -> bool:
+        """No turn runs or waits."""
         return self.scheduler.idle()
 
+    @lockstep("own")
     def run_until_idle(self, max_steps: int = 1_000_000) -> None:
         for _ in range(max_steps):
             if self.idle():
@@ -293,8 +319,9 @@ class Engine:
             self.step()
         raise RuntimeError("the engine did not go idle")
 
+    @lockstep("own")
     def step(self) -> None:
-        """One iteration: admissions (and their directives), then one ragged step of every
-        running turn's prefill chunk or decode token, then sampling."""
-        self.scheduler.schedule()
-        self.runner.step()
+        """One iteration: admissions (and their edits), then one ragged step of every running
+        turn's prefill chunk or decode token, then the draw; then what happened, recorded."""
+        batch = self.scheduler.schedule()
+        self.postprocess.apply(batch, self.runner.execute(batch))

@@ -127,15 +127,15 @@ class PrefixCaches:
         return None
 
     # ---- what leaves ---------------------------------------------------------------------------
-    def purge(self, s: Session, ds: Sequence[Directive], sessions: dict) -> None:
+    def purge(self, s: Session, ds: Sequence[Directive]) -> set[int]:
         """A batch with a FORGET: both trees forget the path of `s.tokens` (before the edit)
-        from the first FORGET start on; pages nobody else holds are zeroed; other sessions
-        (`sessions`: those holding a sequence slot) of its lineage still holding purged pages
-        of its private tree become `foreign` (their KV is never cached for the lineage
-        again); `on_forget` gets the FORGET's record. Idempotent."""
+        from the first FORGET start on; pages nobody else holds are zeroed; `on_forget` gets
+        the FORGET's record. Returns the purged pages of its lineage's private tree that other
+        KV still holds (their sessions are `foreign` from now: `SessionTable.mark_foreign`).
+        Idempotent."""
         forget = [d for d in ds if d.mode is Mode.FORGET]
         if not forget:
-            return
+            return set()
         start = min(d.start for d in forget)
         rec = forgotten.record(s, start, self.page_size)
         if self.on_forget is not None and rec != self._reported:
@@ -145,13 +145,10 @@ class PrefixCaches:
             self.pool.release(self.tree(s.salt).purge(list(s.tokens), start), zero=True)
         private = self.private.get(s.lineage)
         if private is None:
-            return
+            return set()
         pages = private.purge(list(s.tokens), start)
         self.pool.release(pages, zero=True)
-        held = {p for p in pages if self.pool.state.refcount[p] > 0}  # in another's KV still
-        for other in sessions.values() if held else ():
-            if other.lineage == s.lineage and other.seq is not None:
-                other.foreign |= bool(held & set(self.pool.seq_pages(other.seq)))
+        return {p for p in pages if self.pool.state.refcount[p] > 0}  # in another's KV still
 
     def evict(self, want: int) -> int:
         """Evict up to `want` pages only the trees hold, least recently used leaves first

@@ -12,8 +12,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from leyline_jax.hf_config import is_int
 from leyline_jax.kv_state import checked_growth
-from serve.sampling import is_int
 
 DTYPES = {"bf16": jnp.bfloat16, "fp32": jnp.float32}  # the command line's names
 

@@ -39,7 +39,7 @@ def turn(engine, s: Session, tokens, directives, sampling, vocab: int) -> Reques
     """A `submit` turn: new tokens and directives in the session's coordinates."""
     sampling = check_sampling(sampling, vocab)
     toks = check_tokens(tokens, vocab, allow_empty=True).tolist()
-    if not toks and not s.tokens and not s.busy:
+    if not toks and not s.tokens and not engine.table.busy(s):
         raise ValueError("the first turn of a session needs at least one token")
     try:
         ds = list(directives)

@@ -1,66 +1,88 @@
-"""`Scheduler`: the one queue of turns, admission, and making room in the pool.
+"""`Scheduler`: admission, making room in the pool, and the step's batch.
 
-Turns are admitted oldest first, one at a time per session, each with its edit applied as it
-is admitted (between steps, never inside a step of that session, while every other session
-keeps its place). A turn is admitted only when the free pages, less what running turns may
-still take (their remaining prompt and token budget), cover the most it can take
-(`leyline_jax.allocator.turn_need`); a turn that cuts its session's KV cuts it first, so what
-the cut frees is already back. To find room the scheduler evicts cached pages nobody else uses
-(least recently used first), then offloads idle sessions (least recently used first); failing
-that the turn, and every later one, waits for running turns to finish. A turn that could not
-fit even in an otherwise empty pool (or only pinned KV holds what it needs) fails alone, with
-an error saying why.
+`schedule()` returns the step as a value (`serve.engine.batch.Batch`): the edits of the turns it
+admits now, then one row for every running turn (a generating turn's last token; a prefilling
+turn's next chunk, at most `prefill_chunk` tokens, while the step holds fewer than
+`max_num_batched_tokens`). The pool's bookkeeping is done here, as a turn is admitted: the
+room it needs, its sequence slot, a FORGET's cut and purge, a cached prefix it reopens; the
+device work of its edit (splices, MOVE) is in the batch, for the runner.
+
+Turns are admitted oldest first, one at a time per session, each with its edit applied before
+the step's rows run (never inside a step of that session, while every other session keeps its
+place). A turn is admitted only when the free pages, less what running turns may still take
+(their remaining prompt and token budget) and what turns admitted in this step may take, cover
+the most it can take (`leyline_jax.allocator.turn_need`); a turn that cuts its session's KV
+cuts it first, so what the cut frees is already back. To find room the scheduler evicts cached
+pages nobody else uses (least recently used first), then offloads idle sessions (least
+recently used first); failing that the turn, and every later one, waits for running turns to
+finish. A turn that could not fit even in an otherwise empty pool (or only pinned KV holds what
+it needs) fails alone, with an error saying why.
 """
 
 from __future__ import annotations
-
-import itertools
 
 from leyline_jax import allocator
 from leyline_jax import directives as dv
 from leyline_jax.directives import Mode
 from serve import spans
 from serve.engine import planner
-from serve.engine.planner import TurnPlan
-from serve.engine.runner import Runner
+from serve.engine.batch import Batch, Edit, Row
+from serve.engine.caches import PrefixCaches
+from serve.engine.planner import KVPlan, TurnPlan
+from serve.engine.pool import Pool
 from serve.engine.sessions import SessionTable
 from serve.engine.types import Admission, Request, RequestError, Session, Status
 
 
 class Scheduler:
-    def __init__(self, table: SessionTable, runner: Runner, counters):
-        self.table, self.runner, self.counters = table, runner, counters
-        self.pool, self.caches = runner.pool, runner.caches
-        self.queued: list[tuple[int, Request]] = []  # (submission order, turn)
-        self._order = itertools.count()
-
-    def queue(self, req: Request) -> Request:
-        req.session.queue.append(req)
-        self.queued.append((next(self._order), req))
-        return req
-
-    def drop(self, req: Request) -> None:
-        """Take a queued turn out of the queue (it was cancelled)."""
-        self.queued = [(o, r) for o, r in self.queued if r is not req]
-        if req in req.session.queue:
-            req.session.queue.remove(req)
+    def __init__(self, table: SessionTable, pool: Pool, caches: PrefixCaches, config, counters):
+        self.table, self.pool, self.caches = table, pool, caches
+        self.config, self.counters = config, counters
+        self._admitted: dict[int, tuple[Edit, int]] = {}  # this step's: id(turn) -> (edit, need)
 
     def idle(self) -> bool:
-        return not self.queued and not self.runner.running()
+        return not self.table.queued and not self.table.running()
 
-    def schedule(self) -> None:
-        """Admit queued turns, oldest first, while the pool can hold them."""
-        self.queued.sort(key=lambda x: x[0])
-        for order, req in list(self.queued):
+    def available(self) -> int:
+        """Free pages, less what running turns may still take (their remaining prompt and
+        token budget) and what turns admitted in this step may take at most."""
+        reserved = sum(n for _, n in self._admitted.values())
+        return self.table.available(exclude=self._admitted) - reserved
+
+    def schedule(self) -> Batch:
+        """Admit queued turns, oldest first, while the pool can hold them; the step's batch."""
+        self._admitted = {}
+        for req in list(self.table.queued):
             s = req.session
-            if s.active is not None or s.queue[0] is not req:
+            if s.active is not None or self.table.turns(s)[0] is not req:
                 continue  # a session runs its turns one at a time, in order
             if self._try_admit(req) is Admission.WAIT:
                 break  # first come, first served: later turns wait behind this one
-            self.queued.remove((order, req))
-            s.queue.popleft()
+        edits = tuple(e for e, _ in self._admitted.values())
+        batch = Batch(edits, self._rows())
+        self._admitted = {}
+        return batch
+
+    def _rows(self) -> tuple[Row, ...]:
+        running = self.table.running()
+        budget = self.config.max_num_batched_tokens
+        budget -= sum(r.status is not Status.PREFILL for r in running)
+        rows = []
+        for r in running:
+            if r.status is not Status.PREFILL:
+                rows.append(Row(r, 1, False))
+                continue
+            edit = self._admitted.get(id(r), (None,))[0]
+            # a turn admitted now feeds what its edit leaves (its MOVE may leave fewer)
+            left = len(r.pending) if edit is None else len(edit.prompt) - edit.kept
+            n = min(self.config.prefill_chunk, budget, left)
+            budget -= n
+            if n:
+                rows.append(Row(r, n, True))
+        return tuple(rows)
 
     def _fail(self, req: Request, error: Exception) -> Admission:
+        self.table.dequeue(req)
         req.fail(error)
         self.counters["failed_turns"] += 1
         return Admission.FAILED
@@ -78,12 +100,27 @@ class Scheduler:
         if any(d.mode is Mode.DECAY for d in ds):
             spans.check_pins(s.pins, ds)
             if req.decays is None:  # a turn that waits may cut or lose its KV meanwhile
-                req.decays = self.runner.resolve_decays(s, ds)
+                req.decays = self._resolve_decays(s, ds)
             ds = req.decays
         plan = planner.plan_turn(s.tokens, ds, new, s.pins)
         if req.prompt is None:
             req.scratch = spans.check_spans(req.scratch, len(plan.prompt), "scratch span")
         return plan
+
+    def _resolve_decays(self, s: Session, ds: list[dv.Directive]) -> list[dv.Directive]:
+        """DECAY directives resolved into MOVEs of the tokens they keep, chosen from the
+        session's KV (`leyline_jax.importance`): it must hold every DECAY span."""
+        short = [d for d in ds if d.mode is Mode.DECAY and (s.seq is None or d.end > s.cached)]
+        if short:
+            raise dv.DirectiveError(
+                f"DECAY [{short[0].start}, {short[0].end}) needs the span's KV, but session "
+                f"{s.id} holds {s.cached} cached tokens"
+            )
+        out, _ = dv.resolve_decays(self.pool.model, self.pool.state, s.seq, ds)
+        return dv.validate(out, len(s.tokens), self.pool.model.config.vocab_size, s.tokens)
+
+    def _purge(self, s: Session, ds) -> None:
+        self.table.mark_foreign(s.lineage, self.caches.purge(s, ds))
 
     def _try_admit(self, req: Request) -> Admission:
         s = req.session
@@ -106,7 +143,7 @@ class Scheduler:
         if kvp is not None and kvp.kept == 0:
             # nothing of the cached KV survives the edit: the session's KV starts again
             self.table.offload(s)
-            self.caches.purge(s, plan.directives, self.table.holding)
+            self._purge(s, plan.directives)
             kvp = None
         first = kvp.splices[0].start if kvp is not None and kvp.splices else None
         ps = self.pool.page_size
@@ -123,21 +160,46 @@ class Scheduler:
         if kvp is not None and kvp.cut < s.cached:
             # cut first: the pages past the cut come back before the turn takes any (the turn
             # will cut there whenever it runs; a turn that then waits leaves its session cut)
-            self.runner.cut(s, plan.directives, kvp.cut)
+            self._cut(s, plan.directives, kvp.cut)
+        if self._admitted and self.available() < need:
+            return Admission.WAIT  # exact accounting once this step's edits are applied
         if not self._make_room(need, s):
             return self._wait_or_fail(req, f"{need} pages")
         if s.seq is None and not self.table.take_slot(s):
             return self._wait_or_fail(req, "a sequence slot")
-        try:
-            self.runner.start(req, plan, kvp)
-        except allocator.OutOfPagesError:  # the accounting above is an upper bound
-            s.active, req.status = None, Status.QUEUED
-            return Admission.WAIT
+        self._admit(req, plan, kvp, need)
         return Admission.ADMITTED
+
+    def _cut(self, s: Session, ds, at: int) -> None:
+        """Truncate a session's KV to tokens[:at] (KV before it is kept exactly), after a
+        FORGET batch's purge of the caches."""
+        self._purge(s, ds)
+        self.pool.apply(s.seq, [dv.Directive(at, s.cached, (), Mode.FORGET)])
+        self.table.cut(s, at)
+
+    def _admit(self, req: Request, plan: TurnPlan, kvp: KVPlan | None, need: int) -> None:
+        """The turn runs from this step: its FORGET purge and its cached prefix now (a
+        session starting again reopens its slot on the longest prefix the caches let it
+        reuse); its splices and MOVE in the batch."""
+        s, prompt = req.session, plan.prompt
+        self._purge(s, plan.directives)
+        if kvp is None:
+            pages, hit, clean = self.caches.match(s, prompt)
+            if hit:  # the slot is open and empty: reopen it holding the cached pages
+                self.pool.free(s.seq)
+                self.pool.open(s.seq, pages, prompt[:hit])
+            kvp = KVPlan([], hit, hit)
+        else:
+            clean = planner.clean_after_edit(s.clean, kvp)
+        move = self.config.move if req.move is None else req.move
+        edit = Edit(req, prompt, plan.directives, kvp.splices, kvp.cut, clean, kvp.kept, move)
+        self._admitted[id(req)] = (edit, need)
+        self.table.admit(req)
+        req.status = Status.PREFILL
 
     def _make_room(self, need: int, for_session: Session) -> bool:
         """Evict cached pages, then offload idle sessions, until `need` pages are available."""
-        while (short := need - self.runner.available()) > 0:
+        while (short := need - self.available()) > 0:
             freed = self.caches.evict(short)
             if freed:
                 self.counters["radix_evicted_pages"] += freed
@@ -152,7 +214,7 @@ class Scheduler:
         """A turn that found no room waits while other turns run (they will free theirs); with
         none running, only pins hold what it needs (everything else can be evicted or
         offloaded), so it fails rather than wait for an unpin."""
-        if self.runner.running():
+        if self.table.running():
             return Admission.WAIT
         pinned = [x.id for x in self.table.holding.values() if x.pins]
         why = (

@@ -1,4 +1,6 @@
-"""`SessionTable`: the engine's sessions, their sequence slots and pins.
+"""`SessionTable`: the engine's sessions, their sequence slots, pins and queued turns: the one
+writer of every `Session` field (the scheduler, the runner's post-processing and the engine
+say what happened; the table records it).
 
 A session is a conversation: its token list (prompt and generated tokens of every turn so far)
 and, while it holds one, a sequence slot whose KV caches a prefix of that list (`cached`;
@@ -6,7 +8,8 @@ and, while it holds one, a sequence slot whose KV caches a prefix of that list (
 needs it; an offloaded session keeps its token list (packed, 4 bytes a token: `Session.pack`)
 and gets its prefix back from the radix cache (or a prefill) on its next turn. A session
 holding a pin is never offloaded. Only the sessions holding a slot (`holding`, at most
-`max_seqs`) are scanned per step, so idle sessions cost memory, not time.
+`max_seqs`) are scanned per step, so idle sessions cost memory, not time. `queued` is the one
+queue of turns not yet admitted, in submission order.
 """
 
 from __future__ import annotations
@@ -16,13 +19,15 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 
+from leyline_jax import directives as dv
 from leyline_jax.allocator import pages_for
 from leyline_jax.config import check_tokens
+from leyline_jax.hf_config import is_int
 from serve import spans
 from serve.engine.caches import OWN_LINEAGE, PrefixCaches
+from serve.engine.planner import pin_edits
 from serve.engine.pool import Pool
-from serve.engine.types import Session
-from serve.sampling import is_int
+from serve.engine.types import Request, Session
 
 
 class SessionTable:
@@ -30,7 +35,9 @@ class SessionTable:
         self.pool, self.caches, self.counters = pool, caches, counters
         self.sessions: dict[int, Session] = {}
         self.holding: dict[int, Session] = {}  # those holding a sequence slot
+        self.queued: list[Request] = []  # turns not yet admitted, oldest first
         self._ids = itertools.count()
+        self._order = itertools.count()  # submission order (`Request.order`)
 
     def get(self, session: int) -> Session:
         s = self.sessions.get(session) if is_int(session) else None
@@ -51,7 +58,7 @@ class SessionTable:
         sid = next(self._ids)
         own = f"{OWN_LINEAGE}{sid}"
         lineage = own if lineage is None else lineage
-        s = Session(sid, last_used=time.perf_counter(), lineage=lineage, salt=salt)
+        s = Session(sid, last_used=time.perf_counter(), lineage=lineage, salt=salt, pool=self.pool)
         self.sessions[sid] = s
         return sid
 
@@ -62,7 +69,7 @@ class SessionTable:
 
     def close(self, session: int) -> None:
         s = self.get(session)
-        if s.busy:
+        if self.busy(s):
             raise ValueError(f"session {session} still has turns in flight")
         self.offload(s)
         del self.sessions[session]
@@ -125,12 +132,97 @@ class SessionTable:
             return None
         self.caches.cache_prefix(s)
         self.pool.free(seq)
-        s.seq, s.cached, s.clean, s.foreign = None, 0, 0, False
+        s.seq, s.clean, s.foreign = None, 0, False
         del self.holding[s.id]
-        if not s.busy:
+        if not self.busy(s):
             s.pack()
         self.counters["offloads"] += 1
         return seq
+
+    # ---- turns -------------------------------------------------------------------------------
+    def enqueue(self, req: Request) -> Request:
+        req.order = next(self._order)
+        self.queued.append(req)
+        return req
+
+    def dequeue(self, req: Request) -> None:
+        """Take a turn out of the queue (admitted, or cancelled while queued)."""
+        self.queued.remove(req)
+
+    def turns(self, s: Session) -> list[Request]:
+        """`s`'s queued turns, oldest first."""
+        return [r for r in self.queued if r.session is s]
+
+    def busy(self, s: Session) -> bool:
+        """A turn of `s` runs or waits."""
+        return s.active is not None or any(r.session is s for r in self.queued)
+
+    def running(self) -> list[Request]:
+        """The admitted turns, in the order their sessions took their slots."""
+        return [s.active for s in self.holding.values() if s.active is not None]
+
+    def available(self, exclude=frozenset()) -> int:
+        """Free pages, less what running turns may still take (their remaining prompt and
+        token budget); turns whose id is in `exclude` are left out."""
+        still = sum(
+            self.pool.still_needs(r.session.seq, len(r.pending), r.sampling.max_new_tokens - r.fed)
+            for r in self.running()
+            if id(r) not in exclude
+        )
+        return self.pool.free_count() - still
+
+    def admit(self, req: Request) -> None:
+        """`req` is admitted: it leaves the queue and its session runs it."""
+        self.dequeue(req)
+        req.session.active = req
+
+    def requeue(self, req: Request) -> None:
+        """An admitted turn whose edit the pool could not hold goes back to the queue, in its
+        place by submission order (`Request.order`)."""
+        req.session.active = None
+        at = sum(r.order < req.order for r in self.queued)
+        self.queued.insert(at, req)
+
+    def end(self, s: Session) -> None:
+        """Its running turn ended (done, failed or cancelled)."""
+        s.active = None
+
+    def cut(self, s: Session, at: int) -> None:
+        """Its KV was cut to tokens[:at] (the caller cut it)."""
+        s.clean = min(s.clean, at)
+
+    def edited(self, s: Session, prompt, clean: int, ds, private: bool, foreign: bool) -> None:
+        """Its admitted turn's edit is applied: the session's text is `prompt` (after the
+        batch `ds`, which its pins move with), its clean prefix `clean`; `private`: it ran
+        MOVE; `foreign`: that MOVE copied KV from another session's pages."""
+        s.pins = spans.remap(s.pins, pin_edits(s.tokens, ds, prompt))
+        s.tokens, s.clean = list(prompt), clean
+        s.private, s.foreign = s.private or private, s.foreign or foreign
+        s.last_used = time.perf_counter()
+
+    def fed(self, s: Session, n: int) -> None:
+        """A step wrote the KV of its next `n` tokens (the KV now holds tokens[:cached])."""
+        if s.clean == s.cached - n:
+            s.clean = s.cached
+
+    def generated(self, s: Session, token: int, now: float) -> None:
+        s.tokens.append(token)
+        s.last_used = now
+
+    def scratched(self, s: Session, ds: list, first_cached: int | None) -> None:
+        """SCRATCH spans `ds` (deletions) left its text; its KV was spliced from
+        `first_cached` on (None: no cached token was)."""
+        if first_cached is not None:
+            s.clean = min(s.clean, first_cached)
+        s.pins = spans.remap(s.pins, ds)
+        s.tokens = dv.apply_to_list(s.tokens, ds)
+
+    def mark_foreign(self, lineage: str, pages: set[int]) -> None:
+        """Sessions of `lineage` whose KV holds one of `pages` (its private tree's, purged
+        while another's KV still holds them): their KV is never cached for the lineage again."""
+        for other in self.holding.values() if pages else ():
+            if other.lineage == lineage:
+                other.foreign |= bool(pages & set(self.pool.seq_pages(other.seq)))
 
     # ---- snapshots ---------------------------------------------------------------------------
     def restore(
@@ -157,13 +249,14 @@ class SessionTable:
             raise ValueError(f"salt must be a string, got {salt!r}")
         pins = spans.check_spans(pins, len(toks), "pinned span")
         s = Session(int(session), toks, last_used=time.perf_counter(), lineage=lineage, salt=salt)
+        s.pool = self.pool
         s.pins, s.private, s.foreign = pins, bool(private), bool(foreign)
         if cached:
             free = self.free_slots()
             if not free:
                 raise ValueError(f"no free sequence slot for session {session}")
             self.pool.adopt_partial(free[0], pages, toks[:cached])
-            s.seq, s.cached, s.clean = free[0], cached, clean
+            s.seq, s.clean = free[0], clean
             self.caches.cache_prefix(s)
             self.holding[s.id] = s
         else:

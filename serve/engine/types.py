@@ -3,7 +3,6 @@ their statuses, and the errors a turn fails with. Plain data (host only)."""
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import enum
 import time
@@ -12,6 +11,28 @@ from collections.abc import Iterator
 import numpy as np
 
 from leyline_jax.directives import Mode
+
+
+def lockstep(kind: str):
+    """Mark an `Engine` method with how a multi-host group keeps every process's engine equal
+    (`serve.multihost.Lockstep`, which refuses a method not marked):
+    - "read": it changes nothing; the leader's call passes through;
+    - "replay": it changes the engine; the leader records the call, every follower makes it;
+    - "own": `Lockstep` has a method of its own for it (a turn, a cancel, a step, a read of
+      the pools: each needs more than a replay);
+    - "setup": every process makes it itself before the group serves (warmup, a snapshot's
+      restore); `Lockstep` refuses it while serving."""
+    if kind not in LOCKSTEP_KINDS:
+        raise ValueError(f"kind {kind!r} is not one of {LOCKSTEP_KINDS}")
+
+    def mark(fn):
+        fn.lockstep = kind
+        return fn
+
+    return mark
+
+
+LOCKSTEP_KINDS = ("read", "replay", "own", "setup")
 
 
 class RequestError(RuntimeError):
@@ -86,6 +107,7 @@ class Request:
         self.scratch_tags: tuple[tuple[int, ...], tuple[int, ...]] | None = None
         self.move: bool | None = None  # MOVE for this turn (None: the engine's default)
         self.decays: list | None = None  # the directives with DECAY resolved, once
+        self.order = -1  # its place in submission order, once queued
 
     @property
     def finished(self) -> bool:
@@ -119,13 +141,14 @@ class Request:
 
 @dataclasses.dataclass(eq=False)
 class Session:
+    """A conversation, as plain data. `serve.engine.sessions.SessionTable` is the one writer
+    of every field; `cached` is read from the KV state itself."""
+
     id: int
     _tokens: list[int] | np.ndarray = dataclasses.field(default_factory=list)  # see `tokens`
     seq: int | None = None  # sequence slot, while the session holds KV
-    cached: int = 0  # tokens[:cached] are in the KV
     clean: int = 0  # tokens[:clean] have the KV a fresh prefill would give
-    queue: collections.deque = dataclasses.field(default_factory=collections.deque)
-    active: Request | None = None
+    active: Request | None = None  # its turn admitted and not yet ended
     last_used: float = 0.0
     pins: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # PIN spans
     lineage: str = ""  # radix pages it inserted may be MOVE sources for this lineage only
@@ -134,11 +157,12 @@ class Session:
     # its KV holds KV moved from radix pages (another session's history): its non-clean KV
     # then stays its own (never cached for the lineage) until the KV starts again
     foreign: bool = False
+    pool: object = dataclasses.field(default=None, repr=False)  # the engine's `Pool`
 
     @property
-    def busy(self) -> bool:
-        """A turn of it runs or waits."""
-        return self.active is not None or bool(self.queue)
+    def cached(self) -> int:
+        """tokens[:cached] are in the KV: the length of its sequence slot (0 without one)."""
+        return 0 if self.seq is None else int(self.pool.state.lengths[self.seq])
 
     @property
     def tokens(self) -> list[int]:

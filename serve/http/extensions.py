@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from serve.engine import OWN_LINEAGE
+from serve.engine.caches import OWN_LINEAGE
 
 # a session id: 1 to 256 visible ASCII characters (the server echoes it in the X-Session-Id
 # response header, which carries nothing else)

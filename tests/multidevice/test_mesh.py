@@ -20,7 +20,8 @@ import pytest
 import leyline_jax as ll
 from checkpoints.tiny import TINY_GQA_CONFIGS, TINY_HF_CONFIGS, write_random_checkpoint
 from leyline_jax import kv_pools, paged, splice
-from serve.engine import Engine, SamplingParams, sample
+from serve.engine import Engine, SamplingParams
+from serve.sampling import sample
 
 MESHES = [(1, 8), (2, 4), (8, 1)]
 REL = 1e-5
