@@ -50,6 +50,16 @@ from serve.chat_formats import CHATML, CONTENT, DEEPSEEK, REASONING, SPECIAL, TO
 GIL_FREE = 1024
 
 
+class TooLong(Exception):
+    """A text or conversation past the caller's token limit, refused once counted and before its
+    ids were made (a list of 2 million ids holds the GIL for 50-100 ms to make, 25 ms to free):
+    at least `tokens` tokens."""
+
+    def __init__(self, tokens: int):
+        super().__init__(f"at least {tokens} tokens")
+        self.tokens = tokens
+
+
 @dataclasses.dataclass(frozen=True)
 class MessageSpan:
     index: int  # position in the message list
@@ -132,14 +142,21 @@ class ChatTokenizer:
         """The `tokenizers` JSON of the vocabulary (what `serve.grammar.Grammars` reads)."""
         return self._tok.to_str()
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, limit: int | None = None) -> list[int]:
         """Token ids of plain text (no special tokens added). From `GIL_FREE` characters on,
         through `tokenizers`' batch call, which releases the GIL while it works (`encode` holds
         it: 10 MB of text, 7 s in which no other thread of the process ran, an HTTP server's
-        event loop included) and, without offsets, takes a third less time; the same ids."""
+        event loop included) and, without offsets, takes a third less time; the same ids.
+        `limit`: raise `TooLong` for a text of more tokens, counted before the ids are made."""
         if len(text) < GIL_FREE:
-            return self._tok.encode(text, add_special_tokens=False).ids
-        return self._encode_batch([text], add_special_tokens=False)[0].ids
+            ids = self._tok.encode(text, add_special_tokens=False).ids
+            if limit is not None and len(ids) > limit:
+                raise TooLong(len(ids))
+            return ids
+        encoding = self._encode_batch([text], add_special_tokens=False)[0]
+        if limit is not None and len(encoding) > limit:
+            raise TooLong(len(encoding))
+        return encoding.ids
 
     def decode(self, ids, *, skip_special_tokens: bool = False) -> str:
         """The text of token ids; from `GIL_FREE` ids on, with the GIL released (as `encode`)."""
@@ -161,13 +178,19 @@ class ChatTokenizer:
         return (self.special(self.format.stop),)
 
 
-def encode_pieces(tokenizer: ChatTokenizer, pieces) -> list[int]:
+def encode_pieces(tokenizer: ChatTokenizer, pieces, limit: int | None = None) -> list[int]:
+    """The pieces' ids, one after another; `limit`: raise `TooLong` past that many."""
     out = []
     for text, kind in pieces:
         if kind == SPECIAL:
             out.append(tokenizer.special(text))
         elif text:
-            out.extend(tokenizer.encode(text))
+            try:
+                out.extend(tokenizer.encode(text, None if limit is None else limit - len(out)))
+            except TooLong as e:
+                raise TooLong(len(out) + e.tokens) from None
+        if limit is not None and len(out) > limit:
+            raise TooLong(len(out))
     return out
 
 
@@ -178,6 +201,7 @@ def render(
     *,
     add_generation_prompt: bool = True,
     keep_reasoning: bool = False,
+    limit: int | None = None,
 ) -> Rendered:
     """Token ids of a conversation in the tokenizer's chat format and each message's span (see
     the module docstring). `Rendered.tools`: the span of the tool schemas' text, if any.
@@ -185,7 +209,11 @@ def render(
     `keep_reasoning`: the interleaved rule of reasoning models that call tools (DeepSeek-V3.2's
     and Qwen3's templates): the reasoning of assistant messages after the last user message (the
     agentic turn in progress) is re-sent, right after the message's head as `render_reply`
-    places it; earlier turns' reasoning is dropped. `Rendered.reasoning`: those blocks' spans."""
+    places it; earlier turns' reasoning is dropped. `Rendered.reasoning`: those blocks' spans.
+
+    `limit`: raise `TooLong` once the tokens outside assistant messages are more, counted before
+    a long text's ids are made (assistant messages are not counted: a caller may put other ids
+    in their place, as the server does with the replies it remembers)."""
     fmt = tokenizer.format
     head = fmt.reply_head()
     users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
@@ -193,6 +221,7 @@ def render(
     toks: list[int] = []
     spans, thoughts = [], []
     tools_span = None
+    counted = 0  # tokens outside assistant messages, for `limit`
     for block in fmt.blocks(messages, tools, add_generation_prompt):
         start = c0 = c1 = len(toks)
         pieces = list(block.pieces)
@@ -207,9 +236,16 @@ def render(
             think = [(t, REASONING) for t, _ in fmt.reasoning_pieces(m["reasoning_content"])]
             pieces = pieces[: len(head)] + think + pieces[len(head) :]
         r0 = None
+        bound = None if limit is None or block.role == "assistant" else limit - counted
         for text, kind in pieces:
             at = len(toks)
-            toks.extend(encode_pieces(tokenizer, [(text, kind)]))
+            try:
+                toks.extend(encode_pieces(tokenizer, [(text, kind)], bound))
+            except TooLong as e:
+                raise TooLong(counted + e.tokens) from None
+            if bound is not None:
+                counted += len(toks) - at
+                bound = limit - counted
             if kind == CONTENT:
                 c0, c1 = at, len(toks)
             elif kind == TOOLS:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 
 from serve.chat import (
+    GIL_FREE,
     ChatTokenizer,
+    TooLong,
     close_reply,
     model_path,
     render,
@@ -72,6 +74,32 @@ def test_spans_are_exact(tok):
         assert a.end == b.start
     call = tok.decode(r.tokens[r.spans[2].start : r.spans[2].end])
     assert "get_weather" in call and '"city": "Paris"' in call
+
+
+@pytest.mark.parametrize("long", [False, True])  # a short text, and one past GIL_FREE
+def test_a_limit_refuses_exactly_what_would_not_fit(tok, long):
+    """`render(..., limit=L)` refuses a conversation whose tokens outside assistant messages
+    are more than L, and renders every other exactly as without a limit; the count the error
+    gives is at least L + 1. The limit one below the count refuses; the count itself does not."""
+    words = "the tool reports forty-two results for the query; " * (60 if long else 1)
+    conv = [
+        *CONV[:3],
+        {"role": "tool", "content": words},
+        {"role": "assistant", "content": words},  # a reply: not counted
+        {"role": "user", "content": "and tomorrow?"},
+    ]
+    assert len(words) >= GIL_FREE or not long
+    full = render(tok, conv)
+    replies = sum(s.end - s.start for s in full.spans if s.role == "assistant")
+    outside = len(full.tokens) - replies
+    same = render(tok, conv, limit=outside)
+    assert (same.tokens, same.spans) == (full.tokens, full.spans)
+    with pytest.raises(TooLong) as e:
+        render(tok, conv, limit=outside - 1)
+    assert e.value.tokens >= outside
+    assert tok.encode(words, limit=len(tok.encode(words))) == tok.encode(words)
+    with pytest.raises(TooLong):
+        tok.encode(words, limit=len(tok.encode(words)) - 1)
 
 
 def test_rendering_is_prefix_stable(tok):

@@ -46,10 +46,14 @@ class Turn:
         return apply_to_list(self.prompt, self.directives)
 
 
-def render(req: ChatCompletionRequest, key: str | None, tok, sessions) -> Turn:
+def render(req: ChatCompletionRequest, key: str | None, tok, sessions, context: int) -> Turn:
     """The request's history as the engine gets it: server-side context editing first
     (`context_management`), then the rendered history and the explicit directives
-    (`leyline.directives`) as token directives in its coordinates."""
+    (`leyline.directives`) as token directives in its coordinates. A history whose tokens
+    outside assistant messages fill the `context` is refused (400 naming the prompt's field)
+    as soon as they are counted, before their ids are made (`serve.chat.render`'s `limit`):
+    what the prompt runs keeps every one of them (the replies the server remembers are put
+    in place of assistant messages alone), unless explicit directives cut it."""
     messages = [m.as_chat_dict() for m in req.messages]
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     applied = None
@@ -66,9 +70,12 @@ def render(req: ChatCompletionRequest, key: str | None, tok, sessions) -> Turn:
             why = f"{param}: {list(d.messages)} is out of range for {len(messages)} messages"
             raise APIError(400, why, param)
     try:
-        r = chat.render(tok, messages, tools)
+        r = chat.render(tok, messages, tools, limit=None if mds else context - 1)
         edited = edit_messages(messages, mds) if mds else messages
-        final = chat.render(tok, edited, tools) if mds else r
+        final = chat.render(tok, edited, tools, limit=context - 1) if mds else r
+    except chat.TooLong as e:
+        why = f"the prompt is at least {e.tokens} tokens; this model's context is {context}"
+        raise APIError(400, why, req.prompt_field, code="context_length_exceeded") from None
     except (KeyError, ValueError, TypeError) as e:
         raise APIError(400, f"messages: cannot render: {e}", "messages") from e
     if key is not None and "forget" in {req.options.mode, *(d.mode for d in mds)}:
@@ -178,7 +185,7 @@ def add_route(app, turns: Turns) -> None:
         worker thread (`serve.http.body`)."""
         req = received.parse(ChatCompletionRequest)
         caller = turns.session(req, header, tenant)
-        turn = render(req, caller.key, backend.tokenizer, backend.sessions)
+        turn = render(req, caller.key, backend.tokenizer, backend.sessions, backend.max_seq_len)
         grammar = formats.grammar(req, backend)
         sampling = turns.sampling(req, len(turn.final), *req.max_new, grammar=grammar)
         return req, caller, turn, sampling

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from fastapi import Request
 
+from serve.chat import TooLong
 from serve.http import body, formats, logprobs
 from serve.http.auth import Caller
 from serve.http.body import Received
@@ -68,7 +69,12 @@ def prompt_ids(req: CompletionRequest, backend) -> list[int]:
     """The prompt's token ids: its text encoded, or its ids, each checked against the
     vocabulary (400 naming `prompt`)."""
     if isinstance(req.prompt, str):
-        prompt = backend.tokenizer.encode(req.prompt)
+        context = backend.max_seq_len
+        try:  # counted before its ids are made (`serve.chat.TooLong`)
+            prompt = backend.tokenizer.encode(req.prompt, limit=context - 1)
+        except TooLong as e:
+            why = f"the prompt is at least {e.tokens} tokens; this model's context is {context}"
+            raise APIError(400, why, "prompt", code="context_length_exceeded") from None
         if not prompt:
             raise APIError(400, "prompt: the text encodes to no token", "prompt")
         return prompt

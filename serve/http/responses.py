@@ -212,7 +212,7 @@ def add_route(app, turns: Turns) -> None:
         req = chat_request(rreq, system + said, session)
         caller = turns.session(req, None, tenant)
         try:
-            turn = render(req, caller.key, backend.tokenizer, backend.sessions)
+            turn = render(req, caller.key, backend.tokenizer, backend.sessions, backend.max_seq_len)
             grammar = formats.grammar(req, backend)
             sampling = turns.sampling(req, len(turn.final), *req.max_new, grammar=grammar)
         except APIError as e:

@@ -22,8 +22,8 @@ class ModVocabTokenizer:
     def __init__(self, base, vocab: int):
         self.base, self.format, self.vocab_size = base, base.format, int(vocab)
 
-    def encode(self, text: str) -> list[int]:
-        return [i % self.vocab_size for i in self.base.encode(text)]
+    def encode(self, text: str, limit: int | None = None) -> list[int]:
+        return [i % self.vocab_size for i in self.base.encode(text, limit)]
 
     def decode(self, ids, *, skip_special_tokens: bool = False) -> str:
         return self.base.decode(list(ids), skip_special_tokens=skip_special_tokens)
