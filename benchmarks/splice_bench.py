@@ -1,7 +1,7 @@
 """AMORTIZE splice vs FORGET re-prefill, against the splice's byte floor, in one run.
 
     python -m benchmarks.splice_bench [--lengths 512,2048,8192,32768] [--out splice.json]
-        [--repeats 3] [--layers N] [--splice-only]
+        [--repeats 3] [--layers N] [--splice-only | --by-depth 8,30,60 [--rounds 3]]
 
 Bench config (DeepSeek-V2-Lite attention shapes, 2 layers unless `--layers`;
 `benchmarks.harness`), fp32 params, default cache dtypes (bf16 `c_kv` stored as bits, fp32
@@ -22,11 +22,19 @@ KV), in two layouts, each with the implementations side by side (interleaved, me
 `pages in order` (the state as a fresh pool lays it out; the 64 -> 16 edit shifts by whole
 pages, so every run is a whole page) and `pages shuffled` (sources and destinations on pages
 in no order, as in a pool that has served for a while, and a 13-token stub: each page splits
-into two runs, 13 and 3 rows). Implementations: `splice` (what the directive runs now: runs,
-`splice_rotate_jnp`), `rows` (the row-by-row reference per layer: the pass before runs) and
-`pieces` (runs moved as dynamic slices of power-of-two pieces: the alternative measured and
-not taken). Floors: the bytes over a memcpy of one large buffer (`memcpy`, the brief's floor)
-and over the in-place copy pass the full mode uses.
+into two runs, 13 and 3 rows). Implementations: `splice` (what the directive runs now:
+`splice_pools`, runs, `splice_rotate_jnp`, one program a layer on this CPU), `whole` (the same
+step as one program over every layer, as an accelerator runs it: `splice_step`), `rows` (the
+row-by-row reference per layer: the pass before runs) and `pieces` (runs moved as dynamic
+slices of power-of-two pieces: the alternative measured and not taken). Floors: the bytes
+over a memcpy of one large buffer (`memcpy`, the brief's floor) and over the in-place copy pass
+the full mode uses.
+
+`--by-depth` asks what a splice costs by depth, as one program a layer (what this CPU runs:
+`splice_step` on each layer's pools in turn) and as one program over every layer (what an
+accelerator runs), each depth and form in a fresh process, `--rounds` rounds in turns: a splice
+shape's compile time (the first call of 16 and of 512 runs, all padding, less a second call) and
+a splice of 2048 downstream tokens (pages in order; median of `--repeats`). Medians over rounds.
 
 The downstream KV is filled with random values through the state's own append path (its values do
 not change the cost of moving it); the prefix and stub go through the model. Medians of
@@ -35,10 +43,14 @@ not change the cost of moving it); the prefix and stub go through the model. Med
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
+import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 
 import jax
@@ -52,10 +64,10 @@ from checkpoints.tiny import write_random_checkpoint
 from leyline_jax import allocator, splice
 from leyline_jax import kv_pools as kv
 from pallas_kernels.splice_rotate import splice_rotate_ref
-from pallas_kernels.splice_runs import phase_table, plan_runs
+from pallas_kernels.splice_runs import Runs, phase_table, plan_runs
 
 PREFIX, SPAN, STUB, PAGE = 1024, 64, 16, 16
-IMPLS = ("splice", "rows", "pieces")  # the splice pass's implementations (`--splice-only`)
+IMPLS = ("splice", "whole", "rows", "pieces")  # the splice pass's forms (`--splice-only`)
 
 
 def init_state(config, tokens: int, num_pages: int, max_seqs: int):
@@ -225,6 +237,7 @@ def splice_passes(config, downstream: int, layout: str, repeats: int) -> dict:
     k_dtype = pools.rotated_dtype
     steps = {
         "splice": lambda p: splice.splice_pools(p, runs, inv, table, impl="jnp"),
+        "whole": lambda p: splice.splice_step(p, runs, inv, table, impl="jnp"),
         "rows": lambda p: _rows_pass(p, rows, inv, table, k_dtype=k_dtype),
         "pieces": lambda p: _pieces_pass(p, runs, inv, table, k_dtype=k_dtype, max_run=PAGE),
     }
@@ -263,6 +276,70 @@ def splice_only(args, cfg: dict) -> list[dict]:
     return rows
 
 
+# ---- by depth: one program a layer against one program over every layer -------------------
+FORMS = ("layer by layer", "one program")
+DEPTH_TOKENS = 2048  # downstream tokens of the timed splice (`--by-depth`)
+
+
+def one_depth(layers: int, form: str, repeats: int) -> dict:
+    """Run in a fresh process: `--by-depth`'s measures at `layers` layers, the step run as
+    `form` (one of FORMS)."""
+    cfg = harness.BENCH_HF_CONFIG | dict(num_hidden_layers=layers, first_k_dense_replace=layers)
+    config = ll.MLAConfig.from_hf(cfg)
+    total = PREFIX + SPAN + DEPTH_TOKENS + STUB
+    num_pages = 2 * (total // PAGE) + 8
+    rows = splice_moves(DEPTH_TOKENS, "pages in order", num_pages)
+    runs = splice.padded_runs(plan_runs(*rows, max_run=PAGE))
+    inv = jnp.asarray(config.rope_inv_freq())
+    table = phase_table(inv, total + PAGE)
+    box = {"pools": ll.init_state(config, num_pages=num_pages, page_size=PAGE, max_seqs=1).pools}
+
+    def call(r):  # one splice of the state's pools (donated) as `form`
+        if form == FORMS[0]:
+            box["pools"] = box["pools"].by_layer(splice.splice_step, r, inv, table, impl="jnp")
+        else:
+            box["pools"] = splice.splice_step(box["pools"], r, inv, table, impl="jnp")
+        return box["pools"].rotated[-1]
+
+    row = dict(layers=layers, form=form)
+    for m in (16, 512):
+        padding = Runs(*[jnp.zeros(m, jnp.int32)] * 5)
+        first = harness.timed(lambda p=padding: call(p))
+        row[f"compile_{m}_s"] = first - harness.timed(lambda p=padding: call(p))
+    return row | dict(run_s=harness.median_time(lambda: call(runs), repeats=repeats))
+
+
+def by_depth(args) -> list[dict]:
+    samples: dict = {}
+    for _ in range(args.rounds):
+        for layers in map(int, args.by_depth.split(",")):
+            for form in FORMS:
+                one = f"{layers}:{FORMS.index(form)}"
+                cmd = [sys.executable, "-m", "benchmarks.splice_bench", "--one-depth", one]
+                out = subprocess.run(cmd + ["--repeats", str(args.repeats)], capture_output=True)
+                if out.returncode:
+                    sys.exit(out.stderr.decode())
+                row = json.loads(out.stdout.decode().strip().splitlines()[-1])
+                samples.setdefault((layers, form), []).append(row)
+    keys = ("compile_16_s", "compile_512_s", "run_s")
+    rows = [
+        dict(layers=layers, form=form, rounds=got)
+        | {k: statistics.median(r[k] for r in got) for k in keys}
+        for (layers, form), got in samples.items()
+    ]
+    header = ["layers", "form", "compile, 16 runs", "compile, 512 runs", f"run, {DEPTH_TOKENS}"]
+    for line in harness.table(
+        header,
+        [
+            [str(r["layers"]), r["form"], f"{r['compile_16_s']:.2f} s",
+             f"{r['compile_512_s']:.2f} s", f"{r['run_s'] * 1e3:.1f} ms"]
+            for r in rows
+        ],
+    ):  # fmt: skip
+        print(line)
+    return rows
+
+
 def time_reprefill(model, downstream: int, repeats: int) -> float:
     c = model.config
     rng = np.random.default_rng(1)
@@ -283,11 +360,22 @@ def main(argv=None) -> None:
     ap.add_argument("--layers", type=int, default=harness.BENCH_HF_CONFIG["num_hidden_layers"])
     only = "time the move+rotate pass alone (no model)"
     ap.add_argument("--splice-only", action="store_true", help=only)
+    depths = "compile and run the splice at these depths, a program a layer and one in all"
+    ap.add_argument("--by-depth", default=None, metavar="L,L,...", help=depths)
+    ap.add_argument("--rounds", type=int, default=3, help="--by-depth's rounds")
+    ap.add_argument("--one-depth", default=None, help=argparse.SUPPRESS)  # L:form, in a child
     args = ap.parse_args(argv)
+    if args.one_depth:  # a depth's own process (`by_depth`)
+        layers, form = map(int, args.one_depth.split(":"))
+        print(json.dumps(one_depth(layers, FORMS[form], args.repeats)))
+        return
     layers = dict(num_hidden_layers=args.layers, first_k_dense_replace=args.layers)
     cfg = harness.BENCH_HF_CONFIG | layers
     print(harness.platform())
-    rows = (splice_only if args.splice_only else amortize_vs_forget)(args, cfg)
+    if args.by_depth:
+        rows = by_depth(args)
+    else:
+        rows = (splice_only if args.splice_only else amortize_vs_forget)(args, cfg)
     harness.save_json(args.out, rows)
 
 

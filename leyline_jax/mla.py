@@ -25,7 +25,14 @@ from leyline_jax import rope
 from leyline_jax.config import MLAConfig
 from leyline_jax.hf_config import ROUTER_SIGMOID_GROUPED
 from leyline_jax.layers import HFLeaves, Linear, RMSNorm, contiguous, einsum, hf_shapes, mlp_shapes
-from pallas_kernels.dispatch import on_platform
+from pallas_kernels.dispatch import lowering_platforms, on_platform
+from pallas_kernels.expanded_attention import (
+    KERNEL_BLOCK,
+    PLATFORM_ATTEND,
+    default_chunk,
+    expanded_ragged_paged_mla,
+    unsupported,
+)
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from pallas_kernels.ragged_paged_ref import ref_ragged_paged_mla
 
@@ -36,25 +43,75 @@ LATENT_NORM_EPS = 1e-6
 # size is one more loop to compile).
 EXPANDED_SCORES = 1 << 24
 EXPANDED_SIZES = 2
+# On an accelerator (`expanded_tiles(platform="tpu" | "cuda")`): flops per byte of memory
+# bandwidth at which a chip's dense bf16 matmuls and its memory stream take equal time, from the
+# spec sheets (H100 SXM 989 TFLOP/s / 3.35 TB/s = 295, H200 989 / 4.8 = 206; TPU v5e 197 / 0.82 =
+# 240, v5p 459 / 2.77 = 166, v6e 918 / 1.64 = 560), taken low: a lower balance favours the
+# absorbed form. Tiles are whole kernel blocks of queries (`expanded_attention.KERNEL_BLOCK`) and
+# at most three sizes a step (each one more loop and two kernel variants to compile).
+ACCELERATOR_BALANCE = 200
+ACCELERATOR_SIZES = 3
+ACCELERATOR_MAX_TILE = 2048
 
 
-def expanded_tiles(tokens: int, c: MLAConfig, block_kv: int = 512) -> tuple[int, ...]:
-    """The cost model: the query tile sizes the jnp path attends in the expanded form in a step
-    of `tokens` new tokens (its bucket), largest first; () for the absorbed form only.
+def expanded_tiles(
+    tokens: int,
+    c: MLAConfig,
+    block_kv: int = 512,
+    *,
+    platform: str = "cpu",
+    slot_bytes: int | None = None,
+) -> tuple[int, ...]:
+    """The cost model: the query tile sizes a step of `tokens` new tokens (its bucket) attends
+    in the expanded form on `platform` ("cpu": the jnp path; "tpu" / "cuda": the platform's
+    flash attention, `pallas_kernels.expanded_attention`), largest first; () for the absorbed
+    form only. Decode steps and short chunks stay absorbed.
 
-    Per kv slot and head, a tile of E queries costs in the absorbed form E (2R + Dr)
+    CPU. Per kv slot and head, a tile of E queries costs in the absorbed form E (2R + Dr)
     multiply-adds (scores against the latent and rope band, the latent mixed), and in the
     expanded form R (Dn + Dv) to make the slot's K_nope and V, then E (Dn + Dr + Dv). The
     expanded form wins when E > R (Dn + Dv) / (2R - Dn - Dv), whatever the context's length
     (DeepSeek-V2/V3 shapes: E > 171; measured on this CPU at a 4096-slot context: 1.6x faster
-    at E = 256, 2.3x at 1024, 2.2x slower at 64). Decode steps and short chunks stay absorbed."""
+    at E = 256, 2.3x at 1024, 2.2x slower at 64). At most `EXPANDED_SIZES` sizes, each within
+    `EXPANDED_SCORES` floats of scores per block of `block_kv` slots.
+
+    Accelerators. The absorbed kernel runs a prefill chunk as one-query items that each read
+    the row's pages again: per query and slot it streams the slot's stored bytes (`slot_bytes`,
+    default R bf16 + Dr fp32) and does 2N (2R + Dr) flops, so it costs (in flops at a machine
+    balance of `ACCELERATOR_BALANCE` flops a byte) max(2N (2R + Dr), balance x slot_bytes). A
+    tile of E queries in the expanded form reads and expands each slot once per tile (2N R (Dn
+    + Dv) flops and balance x slot_bytes, shared by its E queries) and then attends on the
+    matmul units: 2N (Dn + Dr + Dv) + (2N R (Dn + Dv) + balance x slot_bytes) / E per query
+    and slot. The expanded form wins where that is lower: at V2-Lite's widths (N 16) from
+    E = 19 (the absorbed kernel is bound by the pages it re-reads), at V3's (N 128) from E =
+    172 (bound by its flops); both kernels take whole blocks of 128 queries, so V2-Lite expands
+    from 128 queries and V3 from 256. These numbers rest on spec-sheet rooflines alone, not on
+    a measurement: no device was at hand to tune on. Sizes: the largest power of two within
+    the step's tokens (at most `ACCELERATOR_MAX_TILE`), the smallest worthwhile, and between
+    them a third (their geometric mean), so a row leaves fewer than the smallest tile's
+    queries to the absorbed form."""
     r, dn, dv = c.kv_lora_rank, c.qk_nope_head_dim, c.v_head_dim
-    gain = 2 * r - dn - dv  # per query, per slot and head: what the expanded form saves
-    sizes, e = [], 1 << max(tokens, 1).bit_length()
-    while (e := e // 2) and len(sizes) < EXPANDED_SIZES and e * gain > r * (dn + dv):
-        if e <= tokens and c.num_attention_heads * e * block_kv <= EXPANDED_SCORES:
-            sizes.append(e)
-    return tuple(sizes)
+    if platform == "cpu":
+        gain = 2 * r - dn - dv  # per query, per slot and head: what the expanded form saves
+        sizes, e = [], 1 << max(tokens, 1).bit_length()
+        while (e := e // 2) and len(sizes) < EXPANDED_SIZES and e * gain > r * (dn + dv):
+            if e <= tokens and c.num_attention_heads * e * block_kv <= EXPANDED_SCORES:
+                sizes.append(e)
+        return tuple(sizes)
+    if platform not in ("tpu", "cuda"):
+        raise ValueError(f"platform must be 'cpu', 'tpu' or 'cuda', got {platform!r}")
+    n, dr = c.num_attention_heads, c.qk_rope_head_dim
+    read = ACCELERATOR_BALANCE * (r * 2 + dr * 4 if slot_bytes is None else slot_bytes)
+    absorbed = max(2 * n * (2 * r + dr), read)
+    expand, attend = 2 * n * r * (dn + dv) + read, 2 * n * (dn + dr + dv)
+    large = min(ACCELERATOR_MAX_TILE, 1 << max(tokens, 1).bit_length() - 1)
+    small = KERNEL_BLOCK
+    while small <= large and attend + expand / small >= absorbed:
+        small *= 2
+    if small > large:
+        return ()
+    middle = 1 << (large.bit_length() + small.bit_length() - 2) // 2
+    return tuple(sorted({large, middle, small}, reverse=True)[:ACCELERATOR_SIZES])
 
 
 def absorb_queries(q_nope, w_kb):  # [T, N, Dn], [N, Dn, R] -> [T, N, R]
@@ -163,9 +220,12 @@ class MLAAttention(nnx.Module):
         """Attention over the paged cache: [T, H] new tokens of a ragged batch
         (`leyline_jax.paged`) -> ([T, H], pools). Writes the new tokens' latent and `k_pe` to
         `slots` of layer `layer`, then attends reading `c_kv` and `k_pe` in place: in the
-        absorbed form (queries multiplied into the latent space), and on CPU (or impl "jnp")
-        long query tiles in the expanded form (`expanded_tiles`, the cost model); `meta`: (kv_lens,
-        page_indices, cu_q_lens, num_rows) as `ragged_paged_attention` takes them."""
+        absorbed form (queries multiplied into the latent space), and long query tiles of each
+        row in the expanded form, where the cost model (`expanded_tiles`, per platform) gives
+        tiles: on CPU (or impl "jnp") through the jnp path (`ref_ragged_paged_mla`), on TPU and
+        CUDA through the platform's flash attention (`pallas_kernels.expanded_attention`, where
+        it takes the shapes), the rest of each row through the absorbed kernel. `meta`:
+        (kv_lens, page_indices, cu_q_lens, num_rows) as `ragged_paged_attention` takes them."""
         q_nope, q_pe = self.queries(x, positions)
         c_new, k_new = self.latent(x, positions)
         pools = kv.write_kv(pools, layer, slots, c_new, k_new)
@@ -186,12 +246,43 @@ class MLAAttention(nnx.Module):
             )  # each query's output is in one of the two, the other 0 there: the sum is exact
             return o_v.astype(x.dtype) + expand_values(o_lat.astype(x.dtype), w_vb)
 
-        if not tiles or impl not in (None, "jnp"):
-            out = absorbed(*args)
-        elif impl == "jnp":
-            out = both(*args)
-        else:  # on CPU both forms; on TPU / GPU the absorbed dispatch (its kernel, else jnp)
-            out = on_platform(both, args, tpu=absorbed, cuda=absorbed)
+        # what a slot's stored bands weigh, the keys' width, each row's slots at most
+        c_kv, k_pe = args[2], args[3]
+        slot_bytes = jnp.dtype(pools.moved_dtype).itemsize * c_kv.shape[-1]
+        slot_bytes += jnp.dtype(pools.rotated_dtype).itemsize * k_pe.shape[-1]
+        dk, row_slots = q_nope.shape[-1] + q_pe.shape[-1], meta[1].shape[1] * c_kv.shape[1]
+
+        def flash(platform):  # long tiles through the platform's flash attention, or None
+            sizes = expanded_tiles(
+                x.shape[0], self.config, platform=platform, slot_bytes=slot_bytes
+            )
+            attend, chunk = PLATFORM_ATTEND[platform], default_chunk(sizes, row_slots)
+            fits = unsupported(
+                attend, tiles=sizes, chunk=chunk, heads=q_nope.shape[1], dk=dk,
+                dv=w_vb.shape[-1], dtype=x.dtype,
+            )  # fmt: skip
+            if not sizes or fits is not None:
+                return None
+
+            def run(q_lat, q_pe, c_kv, k_pe, *meta):
+                o_v, o_lat = expanded_ragged_paged_mla(
+                    q_nope, q_lat, q_pe, c_kv, k_pe, w_kb, w_vb, *meta, expanded_tiles=sizes,
+                    chunk=chunk, attend=attend, **kw,
+                )  # fmt: skip
+                return o_v.astype(x.dtype) + expand_values(o_lat.astype(x.dtype), w_vb)
+
+            return run
+
+        if impl is not None:  # "jnp" (a mesh): the jnp path; a kernel named: absorbed
+            out = both(*args) if tiles and impl == "jnp" else absorbed(*args)
+        else:  # per platform, chosen at lowering: only platforms it may be lowered for
+            flashes = {p: flash(p) for p in ("tpu", "cuda") if p in lowering_platforms()}
+            kernels = {p: f for p, f in flashes.items() if f is not None}
+            if not tiles and not kernels:
+                out = absorbed(*args)  # every platform absorbed: the dispatch chooses the kernel
+            else:
+                rest = dict.fromkeys(("tpu", "cuda"), absorbed)
+                out = on_platform(both if tiles else absorbed, args, **(rest | kernels))
         return self.output(out), pools
 
     def probe(self, x, positions, pools: kv.KVPools, layer: int, ctx_slots, mask):

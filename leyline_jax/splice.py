@@ -9,6 +9,26 @@ pass over every layer (`splice_pools`: `pallas_kernels.splice_rotate`, runs of c
 slots), and the ragged step for the fills (`leyline_jax.paged.fill`). The splice machinery sees
 "a band that moves" and "a band that moves and rotates" (halves layout), as the family names
 them (`config.kv_bands()`; MLA: `c_kv` and `k_pe`, GQA: V and K), so every family shares it.
+
+Programs. An edit's splice moves its runs in blocks of at most the state's `max_step_tokens`
+runs (a shape of `shapes`), each block one call of `splice_pools`. On an accelerator that call is
+one program over every layer's pools (`splice_step`; one Mosaic GPU kernel call on a Hopper,
+one TPU kernel call a layer on a TPU): one dispatch a block, where a program a layer cost 27
+dispatches of ~29 us an edit on an H200 (the splice reached 6.5% of the copy bandwidth at 8k
+downstream tokens, 53% at 131k). On a CPU, where the jnp path runs, the same program runs on
+each layer's pools in turn (`KVPools.by_layer`): its compile time is flat in depth, as every
+step's is (BENCHMARKS.md, "Startup: what a step shape costs to compile, by depth"), and one
+program's is not. The choice is `pallas_kernels.dispatch.per_layer_programs`. Measured both ways
+(`python -m benchmarks.splice_bench --by-depth 8,30,60 --rounds 3 --repeats 5`: this 2-core CPU,
+shared with other jobs; DeepSeek-V2-Lite's cache widths; each depth and form in a fresh process;
+medians of three rounds): a splice shape (16 or 512 runs) compiled in 0.30-0.51 s a layer's
+program at 8, 30 and 60 layers, and in 0.65-0.77, 1.2 and 2.2-2.3 s as one program; a splice of
+2048 downstream tokens ran in 17, 48 and 66 ms layer by layer, 5.1, 18 and 65 ms as one program
+(at 60 layers the rounds spread 60-106 and 54-65 ms). The warmup compiles every move shape (six
+by default): one program over every layer would add about 1.4, 5 and 12 s to a cold start at
+those depths, for up to 30 ms saved a splice of that size (at 27 layers
+`benchmarks/splice_bench.py --splice-only` times both side by side: one program 1.5-2.2x
+faster).
 """
 
 from __future__ import annotations
@@ -27,7 +47,7 @@ from leyline_jax.allocator import EditPlan
 from leyline_jax.kv_pools import KVPools
 from leyline_jax.kv_state import PagedKVState, bucket, padded
 from leyline_jax.model import Split
-from pallas_kernels.dispatch import resolve
+from pallas_kernels.dispatch import per_layer_programs, resolve
 from pallas_kernels.splice_rotate import TARGETS, splice_rotate
 from pallas_kernels.splice_runs import Runs, phase_table, plan_runs
 
@@ -87,12 +107,12 @@ def plan_splice(
 
 # ---- device steps ---------------------------------------------------------------------------
 @functools.partial(jax.jit, static_argnames="impl", donate_argnames="pools")
-def splice_layer(pools: KVPools, runs: Runs, inv_freq, table, *, impl=None) -> KVPools:
-    """`splice_pools` on pools of one layer: the program every layer runs."""
+def splice_step(pools: KVPools, runs: Runs, inv_freq, table, *, impl=None) -> KVPools:
+    """`splice_pools` as one program over the layers `pools` holds (every layer, or one)."""
     slots = pools.num_pages * pools.page_size
-    (c,), (k,) = splice_rotate(
-        (pools.moved[0].reshape(slots, -1),),
-        (pools.rotated[0].reshape(slots, -1),),
+    cs, ks = splice_rotate(
+        tuple(x.reshape(slots, -1) for x in pools.moved),
+        tuple(x.reshape(slots, -1) for x in pools.rotated),
         runs,
         inv_freq,
         k_dtype=pools.rotated_dtype,
@@ -100,17 +120,29 @@ def splice_layer(pools: KVPools, runs: Runs, inv_freq, table, *, impl=None) -> K
         max_run=pools.page_size,
         impl=pools.kernel_impl(impl),
     )
-    return pools.with_bands([c.reshape(pools.moved[0].shape)], [k.reshape(pools.rotated[0].shape)])
+    return pools.with_bands(
+        [c.reshape(x.shape) for c, x in zip(cs, pools.moved, strict=True)],
+        [k.reshape(x.shape) for k, x in zip(ks, pools.rotated, strict=True)],
+    )
+
+
+splice_layer = splice_step  # the same program, by the name it has on one layer's pools
 
 
 def splice_pools(pools: KVPools, runs: Runs, inv_freq, table, *, impl=None) -> KVPools:
     """Move + rotate slots of every layer's pools along `runs` (i32[M] each: `length` slots
     from `src` to `dst` at positions from `pos_from` to `pos_to`; length 0: padding), by
-    `splice_rotate`, one layer at a time (one compiled program for every layer), each pool
-    moved in place, viewed as one row per slot (a slot holding several rows, GQA's KV heads,
-    is one row of several vectors, all rotated alike). `inv_freq` f32[width/2] and `table`
-    (`rotation_tables`). Donates `pools`. The public entry the benchmarks time."""
-    return pools.by_layer(splice_layer, runs, inv_freq, table, impl=impl)
+    `splice_rotate`, each pool moved in place, viewed as one row per slot (a slot holding
+    several rows, GQA's KV heads, is one row of several vectors, all rotated alike).
+    `inv_freq` f32[width/2] and `table` (`rotation_tables`). Donates `pools`. The public entry
+    the benchmarks time.
+
+    One program for every layer (`splice_step` over all of them), or one program a layer run
+    on each in turn where `pallas_kernels.dispatch.per_layer_programs` says so (the module
+    docstring says when and why)."""
+    if per_layer_programs(impl):
+        return pools.by_layer(splice_step, runs, inv_freq, table, impl=impl)
+    return splice_step(pools, runs, inv_freq, table, impl=impl)
 
 
 @functools.partial(jax.jit, donate_argnames="pools")
@@ -212,4 +244,4 @@ def precompile(model, state: PagedKVState, shape: tuple[str, int], *, impl=None)
 
 def compile_counts() -> dict[str, int]:
     """How many shapes the splice and zeroing steps have compiled (tests and benchmarks)."""
-    return {"splice": splice_layer._cache_size(), "zero": zero_step._cache_size()}
+    return {"splice": splice_step._cache_size(), "zero": zero_step._cache_size()}

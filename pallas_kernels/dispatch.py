@@ -12,6 +12,8 @@ A kernel module says which accelerators it has a compiled kernel for (its `targe
   of the traced program, so a jitted function traced before `lowering_for` keeps its earlier
   one. One artifact for several
   platforms at once does not lower with jax 0.10 (a Pallas TPU call has no CPU lowering).
+  From the same facts `per_layer_programs` says whether a step over every layer's pools is
+  one program (accelerators) or one a layer (the jnp path on a CPU).
 - "jnp": the reference.
 - "pallas": the compiled kernel for this backend (on a backend it has no version for, the first
   target's kernel, which then fails to compile there).
@@ -74,6 +76,17 @@ def on_platform(reference, args: tuple, **kernels):
     if not kernels:
         return reference(*args)
     return jax.lax.platform_dependent(*args, default=reference, **kernels)
+
+
+def per_layer_programs(impl: str | None) -> bool:
+    """Whether a step over every layer's pools runs as one compiled program a layer, called on
+    each layer in turn (True), rather than one program over all of them (False). True only
+    where the jnp path runs on a CPU (`impl` None or "jnp", and every platform the program may
+    be lowered for is a CPU): a program a layer keeps compile time flat in depth there, where
+    one program's grows with it. An accelerator runs one program (one dispatch, not one a
+    layer), and so does a kernel's interpreter, which stands in for one. (Measured on the
+    splice: `leyline_jax.splice`'s module docstring.)"""
+    return impl in (None, "jnp") and lowering_platforms() <= {"cpu"}
 
 
 def hopper() -> bool:

@@ -60,7 +60,9 @@ Four implementations with one signature, and the jnp path in both MLA forms:
   row, copying only pages the block's queries can see; an online softmax over the block's
   (token, head) query rows updates only that row's queries.
 - `ragged_paged_attention_gpu` (`pallas_kernels.ragged_paged_attention_gpu`): a Mosaic GPU
-  kernel for Hopper, both forms, on the tensor cores with fp32 operands split into bf16 terms.
+  kernel for Hopper, both forms, on the tensor cores with fp32 operands split into bf16 terms:
+  split-KV over every SM by a per-step schedule (persistent programs, kv blocks of 64 slots
+  double-buffered by TMA), the splits merged by log-sum-exp after it.
 - `ragged_paged_attention`: the dispatch (the TPU kernel on TPU, the GPU kernel on a Hopper
   GPU, jnp elsewhere, chosen at lowering; interpret modes on request).
 """

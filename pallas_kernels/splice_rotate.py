@@ -37,9 +37,10 @@ Implementations (one contract):
   one DMA each copying `c` rows HBM -> HBM and one bringing `k` rows to VMEM; the block's `k`
   rows are rotated in fp32 and written back by DMA, piece by piece.
 - `splice_rotate_gpu` (`pallas_kernels.splice_rotate_gpu`): a Mosaic GPU kernel for Hopper,
-  one call for all layers: each run's `k` pieces come in and go out by TMA, rotated in
-  registers between; its `c` rows are copied through registers (see that module). Pre-Hopper
-  GPUs take the jnp path.
+  one call for all layers, a program a block of runs: each (run, layer) item's pieces of both
+  bands come in by TMA into one of two SMEM buffers while the item before is stored from the
+  other, `k` rotated in registers between (see that module). Pre-Hopper GPUs take the jnp
+  path.
 - `splice_rotate`: the dispatch (`pallas_kernels.dispatch`: by default the TPU kernel on TPU,
   the GPU kernel on CUDA where it takes the pools, jnp elsewhere, chosen when the program is
   lowered; the interpret modes on request).

@@ -94,6 +94,7 @@ LONGEST_FIRST = (
     "test_startup.py",  # ~100 s (SmolLM2 warmed up in a subprocess)
     "test_agent_clients.py",  # ~80 s (a SmolLM2 server)
     "test_http.py",  # ~80 s (a server process too)
+    "test_ragged_paged_attention_gpu.py",  # ~95 s (the Mosaic GPU interpreter)
     "test_cli.py",  # ~50 s (subprocesses; SmolLM2)
     "test_multidevice.py",  # ~50 s (its own 8-device process)
     "test_replay.py",  # ~50 s
@@ -102,13 +103,15 @@ LONGEST_FIRST = (
     "test_smollm2.py",  # ~35 s
     "test_splice_rotate.py",  # ~35 s
     "test_hardening.py",  # ~35 s
-    "test_device_suite.py",  # ~35 s (the device suite's smoke, subprocesses)
+    "test_device_suite.py",  # ~50 s (the device suite's smoke, subprocesses)
+    "test_lowering_engine.py",  # ~45 s
+    "test_expanded_prefill.py",  # ~45 s
+    "test_splice_rotate_gpu.py",  # ~35 s
     "test_forgotten.py",  # ~30 s
     "test_event_loop.py",  # ~30 s (a tiny and a SmolLM2 server beside a 10 MB request)
     "test_cluster_signals.py",  # ~25 s (a cluster of two replicas and the router)
     "test_ragged_paged_attention.py",  # ~30 s
     "test_limits.py",  # ~25 s
-    "test_ragged_paged_attention_gpu.py",  # ~25 s
     "test_loader_stream.py",  # ~25 s
 )
 

@@ -4,10 +4,13 @@ its kernel's call, which the Pallas lowering only emits once the kernel fits the
 memory and VMEM are checked there: the old GPU splice kernel failed exactly so, at 4.5 GB of
 shared memory).
 
-Shapes: one layer's pools and one step's attention, as the engine runs them (a program per
-layer, the same for every depth) at DeepSeek-V2-Lite's widths (MLA: latent 512 bf16, RoPE band
-64 fp32, 16 heads), DeepSeek-V3's (128 heads) and a Llama-3-8B-shaped GQA model (8 KV heads of
-128, 32 query heads; K and V stored as bf16 bits). The choice is made per platform when the
+Shapes: one layer's pools and one step's attention at DeepSeek-V2-Lite's widths (MLA: latent 512
+bf16, RoPE band 64 fp32, 16 heads), DeepSeek-V3's (128 heads) and a Llama-3-8B-shaped GQA model
+(8 KV heads of 128, 32 query heads; K and V stored as bf16 bits); and the splice of every layer
+of each (27, 61 and 32 layers) as the one program an edit's block of runs is on an accelerator:
+its module takes every layer's pools, and runs one Mosaic GPU call over all of them on CUDA, one
+TPU kernel call a layer on TPU (`kernel_calls` follows the module's calls: jax emits a function
+called for every layer once). The choice is made per platform when the
 program is lowered (`pallas_kernels.dispatch.on_platform`): TPU gets the TPU kernels (attention:
 the MLA form), CUDA the Mosaic GPU kernels (splice; attention in both forms), CPU jnp.
 Branches are traced only for the platforms a program may be lowered for (jax's backend, or
@@ -18,6 +21,8 @@ jax 0.10: it lowers each kept `platform_dependent` branch for every platform of 
 a Pallas TPU call has no CPU lowering ("Only interpret mode is supported on CPU backend")."""
 
 from __future__ import annotations
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +37,7 @@ SDS = jax.ShapeDtypeStruct
 I32 = jnp.int32
 CALLS = {"tpu": "tpu_custom_call", "cuda": "mosaic_gpu"}
 PAGES, PAGE = 4096, 16
+LAYERS = {"v2-lite": 27, "v3": 61, "llama-8b": 32}
 # name: (c width, c dtype, k width, k dtype, rotated D/2, query heads, q width)
 MODELS = {
     "v2-lite": (512, jnp.uint16, 64, jnp.float32, 32, 16, 512),
@@ -47,9 +53,37 @@ def exported_text(fn, args, platforms) -> str:
         return jax.export.export(jax.jit(fn), platforms=platforms)(*args).mlir_module()
 
 
-def splice_args(model, runs=256):
+def exported_module(fn, args, platform) -> jax.export.Exported:
+    """`fn` exported for `platform`, traced under `lowering_for` it."""
+    with lowering_for(platform):
+        return jax.export.export(jax.jit(fn), platforms=[platform])(*args)
+
+
+_FUNC = re.compile(r"^  func\.func \w+ @(\w+)\(", re.M)
+
+
+def kernel_calls(text: str, call: str) -> list[int]:
+    """The custom calls named `call...` that the module's main function runs, followed through
+    the functions it calls (one entry a run, however the module shares functions): the number
+    of operands of each."""
+    heads = [(m.group(1), m.start()) for m in _FUNC.finditer(text)]
+    bodies = {
+        name: text[at:end]
+        for (name, at), (_, end) in zip(heads, [*heads[1:], (None, len(text))], strict=True)
+    }
+
+    def runs(name: str) -> list[int]:
+        body = bodies[name]
+        own = [ops.count("%") for ops in re.findall(rf"custom_call @{call}\w*\(([^)]*)\)", body)]
+        callees = re.findall(r"(?<!custom_)call @(\w+)\(", body)
+        return own + [n for f in callees if f in bodies for n in runs(f)]
+
+    return runs("main")
+
+
+def splice_args(model, runs=256, layers=1):
     c, c_dt, k, k_dt, h, *_ = MODELS[model]
-    cs, ks = (SDS((PAGES * PAGE, c), c_dt),), (SDS((PAGES * PAGE, k), k_dt),)
+    cs, ks = (SDS((PAGES * PAGE, c), c_dt),) * layers, (SDS((PAGES * PAGE, k), k_dt),) * layers
     return cs, ks, Runs(*[SDS((runs,), I32)] * 5), SDS((h,), jnp.float32)
 
 
@@ -83,6 +117,36 @@ def test_the_splice_lowers_with_each_platforms_kernel(model):
     assert not any(call in cpu for call in CALLS.values())  # the jnp path
 
 
+@pytest.mark.parametrize("model", list(MODELS))
+def test_every_layer_lowers_as_one_program(model):
+    """The splice of every layer of the model in one program: its module's arguments are every
+    layer's pools (then the runs and inv_freq); on CUDA it runs one Mosaic GPU call whose
+    operands are every pool (and the runs' src, dst, length, cos, sin), on TPU one kernel call
+    a layer; the Pallas lowering has checked shared memory / VMEM."""
+    layers = LAYERS[model]
+    args = splice_args(model, layers=layers)
+    for platform, call in CALLS.items():
+        exp = exported_module(splice(model), args, platform)
+        pools = [a.shape for a in exp.in_avals[: 2 * layers]]
+        assert pools == [x.shape for x in (*args[0], *args[1])], platform
+        assert len(exp.in_avals) == 2 * layers + 6, platform
+        calls = kernel_calls(exp.mlir_module(), call)
+        assert calls == ([5 + 2 * layers] if platform == "cuda" else [8] * layers), platform
+
+
+def test_kernel_calls_counts_what_runs():
+    """`kernel_calls` can fail: one layer's module runs one TPU kernel call (of 8 operands: three
+    scalar-prefetched run arrays, pos_from and pos_to rows, inv_freq, c, k), 27 layers' run 27,
+    forced onto jnp none; a name that is no call, none."""
+    one = exported_module(splice("v2-lite"), splice_args("v2-lite"), "tpu").mlir_module()
+    assert kernel_calls(one, CALLS["tpu"]) == [8]
+    many = exported_module(splice("v2-lite"), splice_args("v2-lite", layers=27), "tpu")
+    assert len(kernel_calls(many.mlir_module(), CALLS["tpu"])) == 27
+    jnp_path = exported_module(splice("v2-lite", "jnp"), splice_args("v2-lite"), "tpu")
+    assert kernel_calls(jnp_path.mlir_module(), CALLS["tpu"]) == []
+    assert kernel_calls(one, "no_such_call") == []
+
+
 @pytest.mark.parametrize("model", ["v2-lite", "v3"])
 def test_attention_lowers_with_each_platforms_kernel(model):
     for platform, call in CALLS.items():
@@ -110,10 +174,10 @@ def test_the_check_can_fail():
 
 
 def test_a_kernel_past_shared_memory_fails_the_gate(monkeypatch):
-    """The gate's other half: a GPU splice whose windows cannot fit a Hopper's 227 KB of shared
-    memory (runs of 256 rows: two windows of Llama-8B's 2 KB K rows, 1 MB) is refused when
-    lowered, as the old GPU kernel was (`unsupported` keeps such pools on jnp first: here it is
-    told not to); the real window (16 rows: 64 KB) lowers."""
+    """The gate's other half: a GPU splice whose buffers cannot fit a Hopper's 227 KB of shared
+    memory (runs of 256 rows: two buffers of Llama-8B's 2 KB V and 2 KB K rows, 2 MB) is refused
+    when lowered, as the old GPU kernel was (`unsupported` keeps such pools on jnp first: here
+    it is told not to); the real buffers (16 rows: 128 KB) lower."""
     args = splice_args("llama-8b")
     big = lambda cs, ks, r, inv: splice_rotate_gpu.splice_rotate_gpu(  # noqa: E731
         cs, ks, r, inv, k_dtype=jnp.bfloat16, max_run=256

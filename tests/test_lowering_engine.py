@@ -5,7 +5,9 @@ experts; a Llama-3-8B-shaped GQA model), nothing allocated. The layer step (one 
 of layer: dense, MoE) at the smallest and the largest token bucket of a default engine state
 holds each platform's attention kernel call where the kernel takes the shapes (TPU: the MLA
 form; CUDA: both forms); the splice step holds each platform's splice kernel; the embedding,
-logits, zeroing and sampling programs hold no kernel and lower for both.
+logits, zeroing and sampling programs hold no kernel and lower for both. An edit's splice (a
+block of runs) is one program over every layer of the model on an accelerator, and one program a
+layer called on each in turn on this CPU (`pallas_kernels.dispatch.per_layer_programs`).
 
 A jitted program keeps the kernel branches of its first trace (the dispatch's choice is made
 when it is traced, and jax's trace cache does not see `lowering_for`), so each export here
@@ -31,6 +33,7 @@ from leyline_jax.sharding import key_path
 from pallas_kernels.dispatch import lowering_for
 from pallas_kernels.splice_rotate import Runs
 from serve.sampling import sample
+from tests.test_lowering import kernel_calls
 
 SDS = jax.ShapeDtypeStruct
 CALLS = {"tpu": "tpu_custom_call", "cuda": "mosaic_gpu"}
@@ -166,15 +169,55 @@ def test_each_kind_of_layer_step_lowers_with_the_platforms_attention(name):
                 assert (call in text) is (platform in ATTENTION[name]), (t, platform)
 
 
-@pytest.mark.parametrize("name", list(MODELS))
-def test_the_splice_step_lowers_with_the_platforms_kernel(name):
+def every_layer(config, one: kv_pools.KVPools) -> kv_pools.KVPools:
+    """Abstract pools of every layer of `config`, each as `one`'s."""
+    layers = config.num_hidden_layers
+    return one.with_bands(one.moved * layers, one.rotated * layers)
+
+
+def splice_step_args(name):
+    """(config, the splice step's arguments over every layer's pools: pools, runs of a block,
+    inv_freq, the jnp path's [cos | sin] table)."""
     config, _, one = abstract(name)
-    runs = Runs(*[i32(256)] * 5)
     inv = SDS((config.kv_bands().rotated[-1] // 2,), jnp.float32)
-    table = SDS((PAGES * PAGE, 2 * inv.shape[0]), jnp.float32)  # the jnp path's [cos | sin]
+    table = SDS((PAGES * PAGE, 2 * inv.shape[0]), jnp.float32)
+    return config, (every_layer(config, one), Runs(*[i32(256)] * 5), inv, table)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_the_splice_is_one_program_over_every_layer(name):
+    """An edit's splice step over every layer (V2-Lite 27, V3 61, Llama-8B 32) lowers as one
+    module whose arguments are every layer's two pools, running the platform's kernel: on CUDA
+    one Mosaic GPU call over every pool, on TPU one kernel call a layer."""
+    config, args = splice_step_args(name)
+    layers, pools = config.num_hidden_layers, args[0]
     for platform, call in CALLS.items():
-        args = (one, runs, inv, table)
-        assert call in exported(splice.splice_layer, args, platform), platform
+        splice.splice_step.clear_cache()  # a fresh trace: the kernel branches for `platform`
+        with lowering_for(platform):
+            exp = jax.export.export(splice.splice_step, platforms=[platform])(*args)
+        shapes = [a.shape for a in exp.in_avals[: 2 * layers]]
+        assert shapes == [x.shape for x in (*pools.moved, *pools.rotated)], platform
+        calls = kernel_calls(exp.mlir_module(), call)
+        assert calls == ([5 + 2 * layers] if platform == "cuda" else [8] * layers), platform
+
+
+def test_an_edit_runs_one_splice_program_on_an_accelerator():
+    """`splice_pools` (what an edit runs for a block of runs) calls the splice step once over
+    every layer's pools when traced for TPU or CUDA, and once a layer here on the CPU (so the
+    count can fail)."""
+    config, (pools, runs, inv, table) = splice_step_args("v2-lite")
+
+    def programs() -> list[int]:  # the splice steps called: the pools each takes
+        jaxpr = jax.make_jaxpr(lambda p: splice.splice_pools(p, runs, inv, table))(pools)
+        steps = [e for e in jaxpr.eqns if e.params.get("name") == "splice_step"]
+        return [len(e.invars) - 7 for e in steps]  # less the runs' 5 arrays, inv_freq, table
+
+    for platform in CALLS:
+        splice.splice_step.clear_cache()
+        with lowering_for(platform):
+            assert programs() == [2 * config.num_hidden_layers], platform
+    splice.splice_step.clear_cache()
+    assert programs() == [2] * config.num_hidden_layers
 
 
 @pytest.mark.parametrize("name", ["v3", "llama-8b"])

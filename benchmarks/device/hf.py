@@ -1,13 +1,13 @@
 """(d), the alternative: the same config in Hugging Face transformers (PyTorch), same lengths.
 
-    python -m benchmarks.device.hf --out hf.json [--smoke] [--budget S]
+    python -m benchmarks.device.hf --out hf.json [--smoke] [--quick] [--budget S]
 
 `DeepseekV2ForCausalLM` of `DeepseekV2Config(**config)` (the dict the JAX side builds its
 `MLAConfig` from), made on the GPU (CUDA; the CPU in the smoke) in bf16, every weight drawn
 afresh as ours are (norms 1, everything else uniform with standard deviation 0.02, routers
 included, so both sides spread tokens over the experts alike). transformers' own attention and
-experts implementations (recorded) and its own KV cache. Timed, each until the device is
-synchronised:
+experts implementations (recorded, and named in each row's `path`) and its own KV cache. Timed,
+each until the device is synchronised:
 
 - decode C (first, as on our side): one forward of C x `decode_context` tokens fills the
   cache, then steps of one token per sequence on that cache, median of `decode_steps` after
@@ -99,21 +99,22 @@ class Runs:
         return [self.timed(lambda: self.forward(prompt))[0] for _ in range(1 + self.sz.repeats)][1:]
 
 
-def row(kind: str, size: int, samples: list[float]) -> dict:
+def row(kind: str, size: int, samples: list[float], path: str) -> dict:
     med = statistics.median(samples)
-    return dict(kind=kind, size=size, time_s=med, tok_s=size / med, samples_s=samples)
+    return dict(kind=kind, size=size, path=path, time_s=med, tok_s=size / med, samples_s=samples)
 
 
 def main(argv=None) -> None:
     args = report.parser(__doc__.splitlines()[0]).parse_args(argv)
-    sz = sizes(args.smoke)
+    sz = sizes(args.smoke, args.quick)
     with report.Part("hf", args) as part:
         import torch
 
         cuda = torch.cuda.is_available() and not args.smoke
         device = torch.device("cuda" if cuda else "cpu")
-        if not cuda:
-            torch.set_num_threads(os.cpu_count() or 1)
+        if not cuda:  # the smoke: one thread (threads spinning beside CI's other worker cost
+            # a tiny model's step 100x); a CPU-only run: every core
+            torch.set_num_threads(1 if args.smoke else os.cpu_count() or 1)
         model = build(sz.hf, device)
         dev = dict(torch_device=str(next(model.parameters()).device))
         dev |= dict(name=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__)
@@ -122,12 +123,13 @@ def main(argv=None) -> None:
         names = ("attn_implementation", "experts_implementation")  # transformers' choices
         cfg |= {k: getattr(model.config, f"_{k}", None) for k in names}
         part.set(device=dev, config=cfg | dict(decode_context=sz.decode_context))
+        path = "/".join(str(cfg[k]) for k in names)  # attention / experts, as transformers chose
         runs = Runs(model, sz, device, cuda)
         with torch.inference_mode():
             for c in part.each(sz.decode_batches, "decode {}"):
-                part.add(row("decode", c, runs.decode(c)))
+                part.add(row("decode", c, runs.decode(c), path))
             for t in part.each(sz.prefill_lengths, "prefill {}"):
-                part.add(row("prefill", t, runs.prefill(t)))
+                part.add(row("prefill", t, runs.prefill(t), path))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""One part's JSON result file, and the command line every part shares (no jax, no torch).
+"""One part's JSON result file, the command line every part shares, and markdown tables (no jax,
+no torch: the summary and the tables are written even where jax does not import).
 
 A part's file is rewritten after every row it measures, so a part that its time budget kills
 still leaves what it had measured (status "running": the summary then reports a timeout).
@@ -47,6 +48,7 @@ def parser(description: str) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--out", required=True, help="the part's JSON file")
     ap.add_argument("--smoke", action="store_true", help="toy sizes on CPU (CI)")
+    ap.add_argument("--quick", action="store_true", help="the targets' rows, fewer repeats")
     ap.add_argument(
         "--budget", type=float, default=600.0, help="seconds run.sh allows this part (timeout)"
     )
@@ -61,7 +63,9 @@ class Part:
     def __init__(self, name: str, args: argparse.Namespace):
         self.path, self.budget, self.smoke = args.out, args.budget, args.smoke
         self.t0 = time.monotonic()
-        self.data = dict(part=name, status="running", smoke=args.smoke, budget_s=args.budget)
+        quick = getattr(args, "quick", False)
+        self.data = dict(part=name, status="running", smoke=args.smoke, quick=quick)
+        self.data |= dict(budget_s=args.budget)
         self.data |= dict(elapsed_s=0.0, rows=[], skipped=[], error=None)
 
     def __enter__(self) -> Part:
@@ -109,3 +113,18 @@ class Part:
     def write(self) -> None:
         self.data["elapsed_s"] = self.elapsed()
         write_json(self.path, self.data)
+
+
+# ---- markdown -----------------------------------------------------------------------------------
+def table(header: list[str], rows, align: str | None = None) -> list[str]:
+    """The lines of a markdown table: `header`, then a line per row (cells already formatted as
+    strings). `align`: a letter per column, "l" or "r" (default: the first left, the rest
+    right)."""
+    align = align or "l" + "r" * (len(header) - 1)
+    rule = "|" + "|".join("---:" if a == "r" else "---" for a in align) + "|"
+    return ["| " + " | ".join(header) + " |", rule, *("| " + " | ".join(r) + " |" for r in rows)]
+
+
+def section(caption: str, header: list[str], rows, align: str | None = None) -> list[str]:
+    """One part of a markdown report: a blank line, `caption`, a blank line, the table."""
+    return ["", caption, "", *table(header, rows, align)]

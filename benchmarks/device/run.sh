@@ -1,23 +1,36 @@
 #!/usr/bin/env bash
-# The device suite: each part in its own process under its own time budget, writing
-# OUTDIR/PART.json (its log: OUTDIR/PART.log), then OUTDIR/summary.json. A part that crashes,
-# runs out of memory or out of time loses its own results only.
+# The device suite: the environment first, then each part in its own process under its own time
+# budget, writing OUTDIR/PART.json (its log: OUTDIR/PART.log), then OUTDIR/summary.json and
+# OUTDIR/tables.md (every table as markdown). A part that crashes, runs out of memory or out of
+# time loses its own results only.
 #
-#   benchmarks/device/run.sh OUTDIR [--smoke]
+#   benchmarks/device/run.sh OUTDIR [--quick] [--smoke]
 #
-# Full size (one NVIDIA H200): the budgets below add up to 520 s, under 9 minutes with the
-# summary and the 10 s a part that ignores its timeout gets before it is killed. --smoke: the
-# same parts at toy sizes on CPU (CI runs it). Runs from the repository root with PYTHONPATH
-# set to it (nothing needs installing, and nothing is installed); $PYTHON (default python3)
-# runs every part. Exit status 0 when every part's status is ok.
+# Full size (one NVIDIA H100 or H200): the budgets below add up to 450 s; with the 10 s the last
+# part may get after its timeout and the summary and tables (no jax: a second or two), under 8
+# minutes. --quick: the rows the targets are read at and fewer repeats (shapes.quick says what it
+# drops), 220 s of budgets, under 4 minutes. --smoke: the same parts at toy sizes on CPU (CI runs
+# it, alone and with --quick). Runs from the repository root with PYTHONPATH set to it (nothing
+# needs installing, and nothing is installed); $PYTHON (default python3) runs every part. Exit
+# status 0 when every part's status is ok.
 set -u
-if [[ $# -lt 1 || $# -gt 2 || ($# -eq 2 && $2 != --smoke) ]]; then
-  echo "usage: $0 OUTDIR [--smoke]" >&2
+usage() {
+  echo "usage: $0 OUTDIR [--quick] [--smoke]" >&2
   exit 2
-fi
-smoke=${2:-}
-mkdir -p "$1"
-out=$(cd "$1" && pwd)
+}
+[[ $# -ge 1 ]] || usage
+outdir=$1
+shift
+smoke="" quick=""
+for arg in "$@"; do
+  case $arg in
+    --smoke) smoke=--smoke ;;
+    --quick) quick=--quick ;;
+    *) usage ;;
+  esac
+done
+mkdir -p "$outdir"
+out=$(cd "$outdir" && pwd)
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$root"
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
@@ -26,13 +39,18 @@ py=${PYTHON:-python3}
 
 # name:seconds, run in this order. Budgets are cumulative deadlines: a part that finishes early
 # leaves its time to the parts after it, one that overruns is stopped at its own deadline and
-# takes nothing from theirs. The HF part runs before the model part, which sets its rows beside
-# HF's; the model and edit parts get most of the time (27-layer compiles, 32k-token prefills).
+# takes nothing from theirs. The environment comes first (seconds: it says at once what does not
+# import). The HF part runs before the model part, which sets its rows beside HF's; the model
+# part gets the most time (27-layer compiles, 8k-token prefills). The compiled-kernel tests run
+# last: they get whatever the measurements left of their budgets, and keep the outcomes of the
+# tests that finished if their time runs out.
 if [[ -n $smoke ]]; then
   export JAX_PLATFORMS=cpu CUDA_VISIBLE_DEVICES=""
-  parts="kernels:30 splice:30 attention:30 hf:40 model:70 edit:70" # a hung smoke fails CI in minutes
+  parts="env:30 splice:30 attention:30 hf:40 model:70 edit:70 kernels:30" # a hung smoke fails CI in minutes
+elif [[ -n $quick ]]; then
+  parts="env:15 splice:20 attention:30 hf:25 model:80 edit:30 kernels:20" # 220 s: under 4 minutes
 else
-  parts="kernels:90 splice:45 attention:70 hf:75 model:145 edit:95" # 520 s: under 9 minutes
+  parts="env:20 splice:40 attention:70 hf:60 model:140 edit:80 kernels:40" # 450 s: under 8 minutes
 fi
 
 now() { date +%s.%N; }
@@ -41,6 +59,7 @@ since() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.2f", b - a }'; }
 start=$(now)
 deadline=0
 summary_args=()
+rm -f "$out/summary.json" "$out/tables.md"
 for part in $parts; do
   name=${part%%:*}
   deadline=$((deadline + ${part##*:}))
@@ -54,11 +73,17 @@ for part in $parts; do
     extra=()
     [[ $name == model ]] && extra=(--hf "$out/hf.json")
     timeout -k 10 "$budget" "$py" -m "benchmarks.device.$name" --out "$out/$name.json" \
-      --budget "$budget" $smoke ${extra[@]+"${extra[@]}"} >"$out/$name.log" 2>&1
+      --budget "$budget" $smoke $quick ${extra[@]+"${extra[@]}"} >"$out/$name.log" 2>&1
     rc=$?
   fi
   wall=$(since "$t0")
   echo "$name: exit $rc after $wall s (budget $budget s)"
-  summary_args+=(--part "$name:$rc:$wall")
+  # the environment's report (versions, GPU, failed imports) at once, before any measurement
+  [[ $name == env ]] && grep -E '^(environment|machine|versions|imports|IMPORT|PART)' "$out/env.log"
+  summary_args+=(--part "$name:$rc:$wall:$budget")
 done
-"$py" -m benchmarks.device.summary "$out" $smoke "${summary_args[@]}"
+"$py" -m benchmarks.device.summary "$out" $smoke $quick "${summary_args[@]}"
+status=$?
+"$py" -m benchmarks.device.to_markdown "$out" --out "$out/tables.md" ||
+  echo "tables.md: not written (see above)" >&2
+exit $status

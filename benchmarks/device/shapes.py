@@ -1,4 +1,5 @@
-"""What the device suite measures, at full size (one H200) and at smoke size (CPU, CI).
+"""What the device suite measures: full size (one H100 or H200), `--quick` (the rows the targets
+are read at, fewer repeats), and smoke size (CPU, CI), alone or with `--quick`.
 
 Kept free of jax and torch so that every part, the Hugging Face one included, reads the same
 config and lengths from one place.
@@ -46,16 +47,25 @@ class Sizes:
     """Lengths and repeats of every part, full size by default. `edit_layers` < the config's
     layers: (c) prefills 32k-token sequences several times, which at 27 layers would not fit its
     time budget; both arms scale about linearly in layers, so their ratio survives the cut (the
-    JSON says so)."""
+    JSON says so). The targets (`summary.targets`) are read at sizes named here: decode
+    attention at the largest context, C = 1 and every C >= `attention_wide`; the splice's
+    bandwidth at the largest D and its time at the smallest; prefill at `prefill_targets`;
+    decode against Hugging Face at `decode_batches[0]`."""
 
     hf: dict = dataclasses.field(default_factory=lambda: V2_LITE_HF)  # every part's model
     page_size: int = 16
+    quick: bool = False  # the --quick selection (`quick`)
+    beside_jnp: bool = True  # time the jnp path beside an accelerator's kernel (splice, attention)
     # (b) the splice pass alone
     splice_downstream: tuple[int, ...] = (8192, 32768, 131072)
+    splice_samples: int = 5  # timed samples of the default path, each of `splice_iters` calls
+    splice_iters: int = 10
     # (b') ragged paged attention of one layer: decode rows of a context each, a prefill chunk
     attention_contexts: tuple[int, ...] = (4096, 32768)
     attention_batches: tuple[int, ...] = (1, 32, 128)
-    attention_chunk: int = 512  # a prefill chunk's queries, over the first context's tokens
+    attention_wide: int = 32  # the least C of the wide-decode target (C >= 32)
+    attention_chunk: int = 512  # a prefill chunk's queries, over the first context (0: none)
+    attention_repeats: int = 5  # timed samples of the default path (the jnp path: 3)
     # (c) AMORTIZE vs FORGET: a prefix, a span replaced by a stub, then D downstream tokens
     edit_downstream: tuple[int, ...] = (8192, 32768)
     edit_layers: int = 4
@@ -65,6 +75,7 @@ class Sizes:
     edit_forget_repeats: int = 1  # FORGET re-prefills D tokens per run: the costliest timed run
     # (d) the whole model (decode runs first: its largest batch is the target)
     prefill_lengths: tuple[int, ...] = (512, 2048, 8192)
+    prefill_targets: tuple[int, ...] = (2048, 8192)  # prefill >= Hugging Face's tok/s here
     decode_batches: tuple[int, ...] = (32, 8, 1)  # the target's first: kept if time runs out
     decode_context: int = 512  # tokens each decoding sequence holds before the timed steps
     decode_steps: int = 10  # timed steps per batch (after `decode_warmup`)
@@ -78,13 +89,15 @@ FULL = Sizes()
 
 # Toy lengths picked to share compiled shapes (the step's token and row buckets: every prefill
 # here and the decode contexts run bucket 64, both decode batches bucket 4; both edits' prefills
-# and re-prefills bucket 256, their splices one move bucket), so the smoke spends its two
-# minutes running every code path rather than compiling each length anew.
+# and re-prefills bucket 256, their splices one move bucket), so the smoke spends its time
+# running every code path rather than compiling each length anew.
 SMOKE = Sizes(
     hf=SMOKE_HF,
     splice_downstream=(256, 1024),
+    splice_iters=3,
     attention_contexts=(64,),
     attention_batches=(1, 2),
+    attention_wide=2,
     attention_chunk=16,
     edit_downstream=(130, 170),
     edit_layers=2,
@@ -92,6 +105,7 @@ SMOKE = Sizes(
     edit_span=16,
     edit_stub=5,
     prefill_lengths=(40, 52, 64),
+    prefill_targets=(52, 64),
     decode_batches=(4, 3),
     decode_context=64,
     decode_steps=3,
@@ -101,9 +115,40 @@ SMOKE = Sizes(
     matmul_n=256,
 )
 
-# What an H200 (SXM) is rated at, for context beside the measured rates (never for a floor).
-SPEC_PEAKS = {"NVIDIA H200": {"bf16_dense_flop_s": 989e12, "hbm_bytes_s": 4.8e12}}
+
+def quick(sz: Sizes) -> Sizes:
+    """`sz` cut to the rows the targets are read at, with fewer repeats (run.sh --quick): the
+    same tables, fewer rows. Dropped: attention's smaller contexts (4k) and its prefill chunk,
+    the splice's middle sizes (32k), decode batches but the first (C = 8 and 1), prefill lengths
+    but `prefill_targets` (512), AMORTIZE vs FORGET past the first D (32k), and the jnp path
+    beside the kernels; samples: splice 3 (of 5), attention 3 (of 5), decode 5 steps after 1
+    (of 10 after 2), prefill and AMORTIZE 2 runs (of 3)."""
+    return dataclasses.replace(
+        sz,
+        quick=True,
+        beside_jnp=False,
+        splice_downstream=(min(sz.splice_downstream), max(sz.splice_downstream)),
+        splice_samples=min(sz.splice_samples, 3),
+        attention_contexts=(max(sz.attention_contexts),),
+        attention_chunk=0,
+        attention_repeats=min(sz.attention_repeats, 3),
+        edit_downstream=sz.edit_downstream[:1],
+        prefill_lengths=tuple(t for t in sz.prefill_lengths if t in sz.prefill_targets),
+        decode_batches=sz.decode_batches[:1],
+        decode_steps=min(sz.decode_steps, 5),
+        decode_warmup=1,
+        repeats=min(sz.repeats, 2),
+    )
 
 
-def sizes(smoke: bool) -> Sizes:
-    return SMOKE if smoke else FULL
+# What an H200 / H100 (SXM) is rated at, for context beside the measured rates (never a floor).
+SPEC_PEAKS = {
+    "NVIDIA H200": {"bf16_dense_flop_s": 989e12, "hbm_bytes_s": 4.8e12},
+    "NVIDIA H100 80GB HBM3": {"bf16_dense_flop_s": 989e12, "hbm_bytes_s": 3.35e12},
+}
+
+
+def sizes(smoke: bool, quick_run: bool = False) -> Sizes:
+    """The sizes of a run: smoke or full, cut by `quick` with --quick."""
+    sz = SMOKE if smoke else FULL
+    return quick(sz) if quick_run else sz
