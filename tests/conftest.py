@@ -90,7 +90,7 @@ LONGEST_FIRST = (
     "test_multihost.py",  # ~125 s (process groups of the tiny model)
     "test_engine.py",  # ~125 s
     "test_grammar.py",  # ~110 s (a SmolLM2 server)
-    "test_http_fuzz.py",  # ~100 s
+    "test_http_fuzz.py",  # ~130 s
     "test_startup.py",  # ~100 s (SmolLM2 warmed up in a subprocess)
     "test_agent_clients.py",  # ~80 s (a SmolLM2 server)
     "test_http.py",  # ~80 s (a server process too)
@@ -108,6 +108,7 @@ LONGEST_FIRST = (
     "test_expanded_prefill.py",  # ~45 s
     "test_splice_rotate_gpu.py",  # ~35 s
     "test_forgotten.py",  # ~30 s
+    "test_messages.py",  # ~35 s (a SmolLM2 server)
     "test_event_loop.py",  # ~30 s (a tiny and a SmolLM2 server beside a 10 MB request)
     "test_cluster_signals.py",  # ~25 s (a cluster of two replicas and the router)
     "test_ragged_paged_attention.py",  # ~30 s

@@ -16,7 +16,15 @@ from pathlib import Path
 from fastapi import FastAPI
 
 from serve import forgotten
-from serve.http import admin, chat_completions, completions, errors, responses, tokens
+from serve.http import (
+    admin,
+    chat_completions,
+    completions,
+    errors,
+    messages,
+    responses,
+    tokens,
+)
 from serve.http.auth import Authenticate
 from serve.http.backend import Backend
 from serve.http.limits import LimitBody
@@ -46,6 +54,7 @@ def build_app(backend: Backend) -> FastAPI:
     chat_completions.add_route(app, turns)
     completions.add_route(app, turns)
     responses.add_route(app, turns)
+    messages.add_routes(app, turns)
     tokens.add_routes(app, backend)
     return app
 

@@ -1,14 +1,15 @@
 """API keys and tenants (`--api-key`, `--api-keys-file`, `--admin-key`).
 
 Without keys the server is single-tenant: every client shares its sessions and its prefix cache
-(it says so at start). With keys, every `/v1/` request needs `Authorization: Bearer KEY` (401
-otherwise, in OpenAI's error shape) and runs as the key's tenant: a tenant's sessions are its
-own (another tenant naming the same session id names a session of its own: it cannot read,
-continue or delete the first), its lineages are its own, and its turns share the radix cache
-with its own sessions only (the engine session's `salt`), so its usage reveals nothing of what
-another tenant cached. A request's `cache_salt` (as vLLM's) splits a tenant's cache further.
-`POST /v1/snapshot` needs an admin key (403 with a tenant's; refused while none is set).
-`/health` and `/metrics` stay open, as in vLLM.
+(it says so at start). With keys, every `/v1/` request needs `Authorization: Bearer KEY`, or
+Anthropic's `x-api-key: KEY` (401 otherwise, in OpenAI's error shape; Anthropic's on its routes)
+and runs as the key's tenant: a tenant's sessions are its own (another tenant naming the same
+session id names a session of its own: it cannot read, continue or delete the first), its
+lineages are its own, and its turns share the radix cache with its own sessions only (the engine
+session's `salt`), so its usage reveals nothing of what another tenant cached. A request's
+`cache_salt` (as vLLM's) splits a tenant's cache further. `POST /v1/snapshot` needs an admin
+key (403 with a tenant's; refused while none is set). `/health` and `/metrics` stay open, as in
+vLLM.
 
 A key from `--api-key` names the tenant `key-` + the first 12 hex digits of its SHA-256 (stable
 across restarts, so snapshots find their sessions' owners again); a keys file has one key a
@@ -58,12 +59,14 @@ class Tenants:
         """No keys: one tenant, "", and no checks."""
         return not self._tenant
 
-    def tenant(self, authorization: str | None) -> str:
-        """The tenant of an `Authorization` header's bearer key (an admin key is a tenant of
-        its own, "admin"); 401 without a known key."""
+    def tenant(self, authorization: str | None, api_key: str | None = None) -> str:
+        """The tenant of an `Authorization` header's bearer key, else of an `x-api-key`
+        header's key (Anthropic's; an admin key is a tenant of its own, "admin"); 401 without
+        a known key."""
         if self.single:
             return ""
-        digest = _digest(_bearer(authorization))
+        key = _bearer(authorization) if authorization is not None or api_key is None else api_key
+        digest = _digest(key.strip())
         if any(hmac.compare_digest(digest, a) for a in self._admin):
             return "admin"
         tenant = self._tenant.get(digest)
@@ -86,7 +89,7 @@ class Tenants:
 def _bearer(authorization: str | None) -> str:
     scheme, _, key = (authorization or "").partition(" ")
     if scheme.lower() != "bearer" or not key.strip():
-        why = "missing API key: send Authorization: Bearer KEY"
+        why = "missing API key: send Authorization: Bearer KEY (or x-api-key: KEY)"
         raise APIError(401, why, None, "authentication_error", "invalid_api_key")
     return key.strip()
 
@@ -105,8 +108,9 @@ def _read_keys(path: Path) -> dict[str, str]:
 
 
 class Authenticate:
-    """ASGI middleware: every `/v1/` request names its tenant with its key (401 otherwise); the
-    tenant goes to the route as `request.state.tenant` ("" when single-tenant)."""
+    """ASGI middleware: every `/v1/` request names its tenant with its key (`Authorization:
+    Bearer`, or `x-api-key`; 401 otherwise); the tenant goes to the route as
+    `request.state.tenant` ("" when single-tenant)."""
 
     def __init__(self, app, tenants: Tenants):
         self.app, self.tenants = app, tenants
@@ -117,11 +121,14 @@ class Authenticate:
             state["tenant"] = ""
             if scope["path"].startswith("/v1/"):
                 headers = dict(scope.get("headers") or [])
-                auth = headers.get(b"authorization")
+                auth, key = (headers.get(k) for k in (b"authorization", b"x-api-key"))
                 try:
-                    state["tenant"] = self.tenants.tenant(auth.decode("latin-1") if auth else None)
+                    state["tenant"] = self.tenants.tenant(
+                        None if auth is None else auth.decode("latin-1"),
+                        None if key is None else key.decode("latin-1"),
+                    )
                 except APIError as e:
-                    return await e.response()(scope, receive, send)
+                    return await e.response(scope["path"])(scope, receive, send)
         return await self.app(scope, receive, send)
 
 

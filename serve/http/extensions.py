@@ -1,7 +1,8 @@
 """Our own request fields beside OpenAI's: the edit channel (`leyline`: `LeylineOptions`, with
 message-granular `MessageDirective`s) and Anthropic's server-side context editing
-(`context_management.edits` with `clear_tool_uses_20250919`: `ContextManagement`). An unknown
-field in these objects is a mistake, reported by name (400)."""
+(`context_management.edits` with `clear_tool_uses_20250919`: `ContextManagement`; the Messages
+API also takes `clear_thinking_20251015`, `ClearThinkingEdit`). An unknown field in these
+objects is a mistake, reported by name (400)."""
 
 from __future__ import annotations
 
@@ -117,3 +118,22 @@ class ClearToolUsesEdit(Closed):
 
 class ContextManagement(Closed):
     edits: list[ClearToolUsesEdit] = Field(max_length=1)
+
+
+class ThinkingTurns(_Count):
+    type: Literal["thinking_turns"]
+
+
+class AllThinkingTurns(Closed):
+    type: Literal["all"]
+
+
+class ClearThinkingEdit(Closed):
+    """`clear_thinking_20251015` (the Messages API's): thinking blocks of all assistant turns
+    but the `keep` most recent (1) are cleared. The prompt a model runs here holds no thinking
+    (the Messages API drops thinking blocks from it), so the edit clears nothing."""
+
+    type: Literal["clear_thinking_20251015"]
+    keep: ThinkingTurns | AllThinkingTurns | Literal["all"] = Field(
+        default_factory=lambda: ThinkingTurns(type="thinking_turns", value=1)
+    )

@@ -71,7 +71,7 @@ class LimitBody:
         try:
             chunks = await self._read(scope, receive)
         except APIError as e:
-            return await e.response()(scope, receive, send)
+            return await e.response(scope["path"])(scope, receive, send)
         if chunks is None:  # the client went away: nobody to answer
             return None
 

@@ -1,7 +1,7 @@
 """How a route words a turn's answer: `Outcome` (what the turn's events gave: its tokens, their
 log-probabilities, its statistics), `Reply` (subclassed per route: chat completion, text
-completion, response; whole or as SSE events), OpenAI's `usage` with ours beside it, and `data`
-(one SSE event)."""
+completion, response, message; whole or as SSE events), OpenAI's `usage` with ours beside it,
+and `data` (one SSE event)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import time
 import uuid
 
 from serve.http.auth import Caller
+from serve.http.errors import APIError
 from serve.http.text import OutputText
 
 
@@ -79,6 +80,15 @@ class Reply:
 
     def delta(self, text: str, out: Outcome | None = None) -> dict:  # the SSE event carrying
         raise NotImplementedError  # new text (and, where asked, `out`'s fresh log-probabilities)
+
+    def deltas(self, text: str, out: Outcome | None = None) -> list[dict]:  # the SSE events
+        return [self.delta(text, out)]  # carrying new text
+
+    def error(self, e: APIError) -> dict:  # the SSE event of an error mid-stream
+        return data(e.body())
+
+    def end(self) -> list[dict]:  # the SSE events every stream ends with
+        return [{"data": "[DONE]"}]
 
     def closing(self, out: Outcome) -> list[dict]:  # SSE events after the last delta
         raise NotImplementedError

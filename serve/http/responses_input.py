@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError
 
+from serve.http import errors
 from serve.http.errors import APIError, validation_param
 from serve.http.extensions import SESSION_ID, LeylineOptions
 from serve.http.schema import ChatCompletionRequest, Open
@@ -172,10 +173,4 @@ _NAMES = {  # a chat field: the Responses field it came from
 def renamed(e: APIError) -> APIError:
     """`e` naming the Responses field where the chat request it was raised for names its own
     (a message's index is the conversation's: the field named is `input`, whole)."""
-    for chat_name, name in _NAMES.items():
-        if e.param == chat_name or (e.param or "").startswith(chat_name + "."):
-            tail = e.param[len(chat_name) :] if name != "input" else ""
-            e.message = e.message.replace(e.param, name + tail).replace(chat_name, name)
-            e.param = name + tail
-            break
-    return e
+    return errors.renamed(e, _NAMES, whole=("input",))

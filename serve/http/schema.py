@@ -133,7 +133,7 @@ def text_only(v: str) -> str:
     return v
 
 
-def _refused(cls, v, info):
+def refused(cls, v, info):
     """A field the server cannot honour: refused by name when set."""
     if v:
         raise ValueError(f"{info.field_name} is not supported")
@@ -196,7 +196,7 @@ class _Sampling(Open):
         _stops(v)
         return v
 
-    _no_logit_bias = field_validator("logit_bias")(classmethod(_refused))
+    _no_logit_bias = field_validator("logit_bias")(classmethod(refused))
 
     @property
     def stops(self) -> list[str]:
@@ -268,4 +268,4 @@ class CompletionRequest(_Sampling):
             raise ValueError("token ids must be >= 0")
         return v
 
-    _unsupported = field_validator("echo", "suffix")(classmethod(_refused))
+    _unsupported = field_validator("echo", "suffix")(classmethod(refused))

@@ -113,6 +113,7 @@ class OutputText:
         self.stops, self.markers = list(stops), list(markers)
         self.sent = 0  # characters of content sent
         self.stopped = False  # a stop string was found
+        self.stop: str | None = None  # ... the one that cut the text
         self.text = ""
 
     def update(self, ids: Sequence[int], final: bool = False) -> str:
@@ -121,8 +122,9 @@ class OutputText:
         text = self.tok.decode([i for i in ids if i not in self.stop_ids])
         if not final:
             text = text.rstrip("\ufffd")  # a multi-byte character may still be arriving
-        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, s) for s in self.stops if (i := text.find(s)) >= 0]
+        if found:
+            cut, self.stop = min(found)
             text, self.stopped, final = text[:cut], True, True
         self.text = text
         visible = text

@@ -26,7 +26,7 @@ from serve.http.auth import Caller
 from serve.http.commands import Done, Event, Failed, Gone, Job, Tokens
 from serve.http.errors import APIError, unavailable
 from serve.http.extensions import SESSION_ID
-from serve.http.reply import Outcome, Reply, data
+from serve.http.reply import Outcome, Reply
 from serve.http.sessions import TooManySessions
 from serve.http.worker import QueueFull, ShuttingDown
 
@@ -112,8 +112,8 @@ class Turns:
 
     async def respond(self, job: Job, request: Request, reply: Reply):
         """Follow the turn to its end and answer: `reply.body` as JSON, or (the request asked
-        to stream) `reply`'s events as SSE, then `[DONE]`; an error mid-stream is the stream's
-        last event before `[DONE]`."""
+        to stream) `reply`'s events as SSE, then its `end` (`[DONE]`); an error mid-stream is
+        the stream's last event before its end."""
         if not reply.req.stream:
             out = Outcome()
             async for _ in self._deltas(job, request, reply, out):
@@ -128,16 +128,16 @@ class Turns:
                 yield ev
             try:
                 async for delta in self._deltas(job, request, reply, out):
-                    yield reply.delta(delta, out)
+                    for ev in reply.deltas(delta, out):
+                        yield ev
             except APIError as e:
-                yield data(e.body())
-                yield {"data": "[DONE]"}
+                for ev in [reply.error(e), *reply.end()]:
+                    yield ev
                 return
             if out.gone:
                 return
-            for ev in reply.closing(out):
+            for ev in [*reply.closing(out), *reply.end()]:
                 yield ev
-            yield {"data": "[DONE]"}
 
         return EventSourceResponse(events(), headers=session_headers(reply.key), ping=15)
 

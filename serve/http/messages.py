@@ -1,0 +1,214 @@
+"""`POST /v1/messages` and `POST /v1/messages/count_tokens`: Anthropic's Messages API (what the
+`anthropic` SDK, Claude Code and the Claude Agent SDK call), on the chat path: the request
+becomes a chat request (`serve.http.messages_input`), the turn runs as a chat turn (sessions,
+the edit channel, tools, forced tool calls' grammar, `context_management`, tenants and limits
+as there), and the answer is a `message`, or Anthropic's stream of events (`message_start`;
+per content block `content_block_start`, `content_block_delta` with a `text_delta` or an
+`input_json_delta`, `content_block_stop`; `message_delta`; `message_stop`). Errors are in
+Anthropic's shape (`serve.http.errors`). The session: the `X-Session-Id` header, else
+`X-Claude-Code-Session-Id`, else `metadata.user_id` (`messages_input.session_name`).
+
+Usage in Anthropic's terms, which add up to the prompt: `cache_read_input_tokens`, the tokens
+whose KV was reused or spliced (the session's, or the radix cache's); `input_tokens`, the rest
+(prefilled this turn); `cache_creation_input_tokens` 0: Anthropic counts there only what a
+`cache_control` breakpoint writes, and the server caches every prompt token unasked. So a prompt
+nothing was cached for has `input_tokens` equal to `count_tokens`' (rendered without the
+session: a re-sent reply counts as its text's tokens). A stream's `message_start` counts the
+whole prompt as `input_tokens` (the split is known at the end); its `message_delta` gives it.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Annotated
+
+from fastapi import Header, Request
+from fastapi.responses import JSONResponse
+
+from serve.http import body, formats
+from serve.http.body import Received
+from serve.http.chat_completions import ChatReply, render
+from serve.http.errors import APIError, anthropic_event
+from serve.http.extensions import SESSION_ID
+from serve.http.messages_input import (
+    MessagesPrompt,
+    MessagesRequest,
+    chat_request,
+    renamed,
+    session_name,
+)
+from serve.http.reply import Outcome, data, usage
+from serve.http.text import OutputText, tool_markers
+from serve.http.turn import SessionHeader, Turns
+
+# Claude Code's X-Claude-Code-Session-Id header: the session when X-Session-Id names none
+ClaudeSessionHeader = Annotated[str | None, Header(**SESSION_ID)]
+_STOPS = {"tool_calls": "tool_use", "length": "max_tokens"}  # chat's finish reasons
+
+
+def tool_input(arguments: str) -> dict | None:
+    """A tool call's arguments as a `tool_use` block's `input` (None: not a JSON object)."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+class MessagesReply(ChatReply):
+    """A turn's answer as a `message`, or its events."""
+
+    prefix = "msg"
+
+    def __init__(self, req, caller, turn, text, backend):
+        super().__init__(req, caller, turn, text, backend)
+        self.head["id"] = f"msg_{uuid.uuid4().hex}"
+        self.texting = False  # a stream's text block (index 0) is open
+
+    @staticmethod
+    def _event(kind: str, **fields) -> dict:
+        return {"event": kind, **data({"type": kind, **fields})}
+
+    def _message(self, content: list, stop: dict, use: dict) -> dict:
+        return {
+            "id": self.head["id"],
+            "type": "message",
+            "role": "assistant",
+            "model": self.head["model"],
+            "content": content,
+            **stop,
+            "usage": use,
+        }
+
+    def _usage(self, out: Outcome) -> dict:
+        u = usage(out.stats, len(out.output))
+        read = u["prompt_tokens_details"]["cached_tokens"]
+        return {
+            "input_tokens": u["prompt_tokens"] - read,
+            "output_tokens": u["completion_tokens"],
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": read,
+            **{k: u[k] for k in ("reused_tokens", "spliced_tokens")},  # read, split
+        }
+
+    def _content(self, out: Outcome) -> tuple[str, list[dict], dict]:
+        """(the text, the `tool_use` blocks, the extras every answer ends with), the reply
+        remembered (`ChatReply._finish`). A call whose arguments are no JSON object leaves the
+        whole reply text."""
+        content, calls, extra = self._finish(out)
+        uses = []
+        for c in calls:
+            args = tool_input(c["function"]["arguments"])
+            if args is None:
+                return self.text.text, [], extra
+            uid = "toolu_" + c["id"].removeprefix("call_")
+            uses.append({"type": "tool_use", "id": uid, "name": c["function"]["name"],
+                         "input": args})  # fmt: skip
+        return content, uses, extra
+
+    def _stop(self, out: Outcome, uses: list) -> dict:
+        fin = self.finish_reason(out.output, uses)
+        reason = _STOPS.get(fin, "stop_sequence" if self.text.stopped else "end_turn")
+        seq = self.text.stop if reason == "stop_sequence" else None
+        return {"stop_reason": reason, "stop_sequence": seq}
+
+    def body(self, out: Outcome) -> dict:
+        self.text.update(out.output, final=True)
+        text, uses, extra = self._content(out)
+        blocks = ([{"type": "text", "text": text}] if text else []) + uses
+        return self._message(blocks, self._stop(out, uses), self._usage(out)) | extra
+
+    def opening(self) -> list[dict]:
+        use = {"input_tokens": len(self.turn.final), "output_tokens": 0,
+               "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}  # fmt: skip
+        first = self._message([], {"stop_reason": None, "stop_sequence": None}, use)
+        if self.turn.applied_edits is not None:
+            first["context_management"] = {"applied_edits": self.turn.applied_edits}
+        return [self._event("message_start", message=first)]
+
+    def deltas(self, text: str, out: Outcome | None = None) -> list[dict]:
+        events = []
+        if not self.texting:  # a text block opens with the first text
+            self.texting = True
+            block = {"type": "text", "text": ""}
+            events.append(self._event("content_block_start", index=0, content_block=block))
+        delta = {"type": "text_delta", "text": text}
+        return [*events, self._event("content_block_delta", index=0, delta=delta)]
+
+    def closing(self, out: Outcome) -> list[dict]:
+        text = self.text
+        tail = text.update(out.output, final=True)
+        content, uses, extra = self._content(out)
+        if not uses:  # held back at a tool-call marker, but no call: text
+            tail += text.text[text.sent :]
+        events = self.deltas(tail) if tail else []
+        if self.texting:
+            events.append(self._event("content_block_stop", index=0))
+        for k, u in enumerate(uses, start=int(self.texting)):
+            args = {"type": "input_json_delta", "partial_json": json.dumps(u["input"])}
+            events += [
+                self._event("content_block_start", index=k, content_block=u | {"input": {}}),
+                self._event("content_block_delta", index=k, delta=args),
+                self._event("content_block_stop", index=k),
+            ]
+        stop, use = self._stop(out, uses), self._usage(out)
+        events.append(self._event("message_delta", delta=stop, usage=use, **extra))
+        return [*events, self._event("message_stop")]
+
+    def error(self, e: APIError) -> dict:
+        return anthropic_event(e)
+
+    def end(self) -> list[dict]:  # Anthropic's stream ends at message_stop
+        return []
+
+
+def add_routes(app, turns: Turns) -> None:
+    backend = turns.backend
+
+    def rendered(req, key):
+        try:
+            return render(req, key, backend.tokenizer, backend.sessions, backend.max_seq_len)
+        except APIError as e:
+            raise renamed(e) from None
+
+    def prepare(received: Received, header: str | None, claude: str | None, tenant: str):
+        """(its chat request, its caller, its turn, its sampling): the body parsed, the
+        conversation rendered, the grammar compiled. The work that grows with the body, for a
+        worker thread (`serve.http.body`)."""
+        mreq = received.parse(MessagesRequest)
+        req = chat_request(mreq, session_name(header, claude, mreq))
+        caller = turns.session(req, None, tenant)
+        turn = rendered(req, caller.key)
+        try:
+            grammar = formats.grammar(req, backend)
+            sampling = turns.sampling(req, len(turn.final), *req.max_new, grammar=grammar)
+        except APIError as e:
+            raise renamed(e) from None
+        return req, caller, turn, sampling
+
+    def count(received: Received, tenant: str) -> JSONResponse:
+        req = chat_request(received.parse(MessagesPrompt), None)
+        turns.session(req, None, tenant)  # the model served
+        return JSONResponse({"input_tokens": len(rendered(req, None).final)})
+
+    @app.post("/v1/messages", openapi_extra=body.documented(app, MessagesRequest))
+    async def messages(
+        request: Request,
+        x_session_id: SessionHeader = None,
+        x_claude_code_session_id: ClaudeSessionHeader = None,
+    ):
+        received, tenant = await body.received(request), request.state.tenant
+        # off the event loop: a long conversation delays no other request
+        req, caller, turn, sampling = await body.in_thread(
+            prepare, received, x_session_id, x_claude_code_session_id, tenant
+        )
+        job = turns.start(turn.prompt, sampling, req, caller, turn.directives)
+        tok = backend.tokenizer
+        markers = tool_markers(tok) if turn.use_tools else ()
+        text = OutputText(tok, tok.stop_tokens, req.stops, markers)
+        return await turns.respond(job, request, MessagesReply(req, caller, turn, text, backend))
+
+    @app.post("/v1/messages/count_tokens", openapi_extra=body.documented(app, MessagesPrompt))
+    async def count_tokens(request: Request):
+        return await body.in_thread(count, await body.received(request), request.state.tenant)
