@@ -109,6 +109,7 @@ LONGEST_FIRST = (
     "test_splice_rotate_gpu.py",  # ~35 s
     "test_forgotten.py",  # ~30 s
     "test_messages.py",  # ~35 s (a SmolLM2 server)
+    "test_claude_agent.py",  # ~30 s (a SmolLM2 server and Claude Code's CLI)
     "test_event_loop.py",  # ~30 s (a tiny and a SmolLM2 server beside a 10 MB request)
     "test_cluster_signals.py",  # ~25 s (a cluster of two replicas and the router)
     "test_ragged_paged_attention.py",  # ~30 s

@@ -84,7 +84,7 @@ def test_edit_messages_merges_a_range_into_its_first_message():
 def test_context_editing_is_sticky_and_touches_tool_results_only(tok):
     edit = ClearToolUsesEdit(
         type="clear_tool_uses_20250919",
-        trigger={"type": "tool_uses", "value": 1},
+        trigger={"type": "tool_uses", "value": 0},  # fires past it: one tool use
         keep={"type": "tool_uses", "value": 0},
     )
     ctx = ContextEditor(lambda text: len(tok.encode(text)))

@@ -145,6 +145,44 @@ def test_a_forced_tool_its_result_and_the_session(client):
     assert e.value.body["error"]["message"].startswith("messages.2.content.0.tool_use_id:")
 
 
+def test_a_budget_past_the_context_is_cut_to_it(client):
+    """`max_tokens` past the context left (Claude Code asks 32,000 of a model it does not
+    know) is served up to the context's end: `model_context_window_exceeded`, not a 400."""
+    ask = dict(model=MODEL, extra_body=GREEDY)
+    words = "Repeat the words: " + "pear " * 900
+    n = client.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": words}])
+    words += "pear " * (1024 - 4 - n.input_tokens)  # four tokens of room
+    long = [{"role": "user", "content": words}]
+    assert client.messages.count_tokens(model=MODEL, messages=long).input_tokens == 1020
+    r = client.messages.create(messages=long, max_tokens=32_000, **ask)
+    assert r.stop_reason == "model_context_window_exceeded" and r.usage.output_tokens == 4
+    with client.messages.stream(messages=long, max_tokens=5000, **ask) as stream:
+        streamed = stream.get_final_message()
+    assert streamed.stop_reason == "model_context_window_exceeded"
+    assert streamed.content[0].text == r.content[0].text
+    exact = client.messages.create(messages=long, max_tokens=4, **ask)  # the room asked: its own
+    assert exact.stop_reason == "max_tokens" and exact.content[0].text == r.content[0].text
+    with pytest.raises(anthropic.BadRequestError) as e:  # a prompt the context cannot hold
+        client.messages.create(messages=[{"role": "user", "content": words + "pear " * 8}],
+                               max_tokens=1, **ask)  # fmt: skip
+    assert e.value.body["error"]["message"].startswith("messages:")
+
+
+def test_a_system_message_where_it_stands(server, client):
+    """A message of role `system` (Claude Code sends its environment so) is a system message
+    where it stands, as chat completions renders the same conversation."""
+    said = [*ASK, {"role": "system", "content": [{"type": "text", "text": "Today is Monday."}]}]
+    counted = client.messages.count_tokens(model=MODEL, messages=said).input_tokens
+    chat = [*ASK, {"role": "system", "content": "Today is Monday."}]
+    c = httpx.post(
+        server.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+        json={"model": MODEL, "max_tokens": 1, "messages": chat}, timeout=120,
+    ).json()  # fmt: skip
+    assert counted == c["usage"]["prompt_tokens"]
+    r = client.messages.create(model=MODEL, max_tokens=1, messages=said, extra_body=GREEDY)
+    assert prompt_of(r.usage) == counted
+
+
 def test_the_session_is_the_header_else_claude_codes_else_the_user():
     req = MessagesRequest.model_validate(
         {"model": "m", "max_tokens": 1, "messages": ASK, "metadata": {"user_id": "u 1"}}
@@ -233,10 +271,10 @@ BAD = [  # (a body, the field its error names)
     ({"model": MODEL, "messages": ASK}, "max_tokens"),
     (_body(max_tokens=0), "max_tokens"),
     (_body(max_tokens="4"), "max_tokens"),
-    (_body(max_tokens=5000), "max_tokens"),  # past the context
     (_body(model="claude-sonnet-4-5"), "model"),
     (_body(messages=[]), "messages"),
-    (_body(messages=[{"role": "system", "content": "x"}]), "messages.0.role"),
+    (_body(messages=[{"role": "developer", "content": "x"}]), "messages.0.role"),
+    (_body(messages=[*ASK, {"role": "system", "content": [_USE]}]), "messages.1.content.0.type"),
     (_body(messages=[{"role": "user", "content": 3}]), "messages.0.content"),
     (_body(messages=[{"role": "user", "content": "x", "name": "a"}]), "messages.0.name"),
     (_body(messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]),

@@ -49,6 +49,14 @@ class Backend:
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     # stored responses (`previous_response_id`: serve.http.responses_input.Store)
     responses: Store = dataclasses.field(default_factory=Store)
+    # the directive context editing's clears are spliced as when a request names no mode
+    # ("amortize" or "forget": `--context-edit-mode`)
+    context_edit_mode: str = "amortize"
+
+    def __post_init__(self):
+        if self.context_edit_mode not in ("amortize", "forget"):
+            raise ValueError(f"context_edit_mode={self.context_edit_mode!r}: amortize or forget")
+        self.sessions.context.mode = self.context_edit_mode
 
     @functools.cached_property
     def grammars(self):

@@ -6,9 +6,11 @@ place, and the engine diffs it against the session's tokens (`Engine.submit_prom
 unmodified harness that edits its own history gets a splice instead of a re-prefill (AMORTIZE
 by default, FORGET with `"leyline": {"mode": "forget"}`). Explicit message-granular directives
 (`leyline.directives`) become token directives in the rendered history's coordinates, each in
-its own mode; `context_management` (Anthropic's `clear_tool_uses_20250919`) is applied to the
-history before rendering and reported in `context_management.applied_edits`. Tool calls in
-the output are parsed back into `tool_calls`.
+its own mode; `context_management` (Anthropic's `clear_tool_uses_20250919`,
+`serve.http.history.ContextEditor`) is applied by the server, what it clears now spliced as
+token directives (AMORTIZE unless the request or `--context-edit-mode` says FORGET), and
+reported in `context_management.applied_edits`. Tool calls in the output are parsed back into
+`tool_calls`.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from serve.http import body, formats, logprobs
 from serve.http.auth import Caller
 from serve.http.body import Received
 from serve.http.errors import APIError
-from serve.http.history import edit_messages, token_directives
+from serve.http.history import clear_directives, edit_messages, token_directives
 from serve.http.reply import Outcome, Reply, data, usage
 from serve.http.schema import ChatCompletionRequest
 from serve.http.text import OutputText, parse_tool_calls, tool_markers
@@ -46,45 +48,71 @@ class Turn:
         return apply_to_list(self.prompt, self.directives)
 
 
+def context_mode(req: ChatCompletionRequest, sessions) -> Mode:
+    """The mode context editing's clears are spliced in: the request's `leyline.mode` when it
+    names one, else the server's (`ContextEditor.mode`: `--context-edit-mode`)."""
+    named = req.leyline is not None and "mode" in req.leyline.model_fields_set
+    return Mode[(req.options.mode if named else sessions.context.mode).upper()]
+
+
 def render(req: ChatCompletionRequest, key: str | None, tok, sessions, context: int) -> Turn:
-    """The request's history as the engine gets it: server-side context editing first
-    (`context_management`), then the rendered history and the explicit directives
-    (`leyline.directives`) as token directives in its coordinates. A history whose tokens
-    outside assistant messages fill the `context` is refused (400 naming the prompt's field)
-    as soon as they are counted, before their ids are made (`serve.chat.render`'s `limit`):
-    what the prompt runs keeps every one of them (the replies the server remembers are put
-    in place of assistant messages alone), unless explicit directives cut it."""
+    """The request's history as the engine gets it: the rendered history and its edits as token
+    directives in its coordinates. Server-side context editing (`context_management`) first:
+    the prompt is the history with the session's earlier clears (`ContextEditor`'s record),
+    and what the edit clears now is one token directive per message it changes
+    (`clear_directives`), in `context_mode`; so a session whose history grew is spliced
+    exactly there. With explicit directives (`leyline.directives`) too, the prompt is the
+    history with every clear, which the session's diff finds, and the explicit directives are
+    token directives in its coordinates. A history whose tokens outside assistant messages
+    fill the `context` is refused (400 naming the prompt's field) as soon as they are counted,
+    before their ids are made (`serve.chat.render`'s `limit`): what the prompt runs keeps
+    every one of them (the replies the server remembers are put in place of assistant messages
+    alone), unless directives cut it."""
     messages = [m.as_chat_dict() for m in req.messages]
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-    applied = None
-    if req.context_management is not None:
-        applied = []
-        for edit in req.context_management.edits:
-            messages, report = sessions.clear_tool_uses(key, messages, edit)
-            if report["cleared_tool_uses"]:
-                applied.append(report)
     mds = req.options.directives
     for k, d in enumerate(mds):
         if d.messages[1] >= len(messages):
             param = f"leyline.directives.{k}.messages"
             why = f"{param}: {list(d.messages)} is out of range for {len(messages)} messages"
             raise APIError(400, why, param)
+    applied, before = None, messages  # before: the history with the earlier clears only
     try:
-        r = chat.render(tok, messages, tools, limit=None if mds else context - 1)
+        if req.context_management is not None:
+            applied = []
+
+            def count(history: list[dict]) -> int:  # its input tokens, as count_tokens counts
+                return len(chat.render(tok, history, tools).tokens)
+
+            for edit in req.context_management.edits:
+                done = sessions.clear_tool_uses(key, messages, edit, count)
+                before = done.before if before is messages else before
+                messages = done.after
+                if done.report["cleared_tool_uses"]:
+                    applied.append(done.report)
+        splice = before is not messages and not mds  # clears to splice as directives
+        if mds or not splice:
+            before = messages
+        cut = bool(mds) or splice  # directives may shorten the prompt: limit what runs
+        r = chat.render(tok, before, tools, limit=None if cut else context - 1)
         edited = edit_messages(messages, mds) if mds else messages
-        final = chat.render(tok, edited, tools, limit=context - 1) if mds else r
+        final = chat.render(tok, edited, tools, limit=context - 1) if cut else r
     except chat.TooLong as e:
         why = f"the prompt is at least {e.tokens} tokens; this model's context is {context}"
         raise APIError(400, why, req.prompt_field, code="context_length_exceeded") from None
     except (KeyError, ValueError, TypeError) as e:
         raise APIError(400, f"messages: cannot render: {e}", "messages") from e
-    if key is not None and "forget" in {req.options.mode, *(d.mode for d in mds)}:
+    forgets = "forget" in {req.options.mode, *(d.mode for d in mds)}
+    if key is not None and (forgets or splice and context_mode(req, sessions) is Mode.FORGET):
         sessions.keep_replies(key, edited)  # a reply it evicts is remembered no more
-    prompt = sessions.substitute(key, messages, r)
+    prompt = sessions.substitute(key, before, r)
     ds = []
     if mds:
         target = sessions.substitute(key, edited, final)
         ds = token_directives(prompt, target, mds, Mode[req.options.mode.upper()])
+    elif splice:
+        target = sessions.substitute(key, edited, final)
+        ds = clear_directives(prompt, target, context_mode(req, sessions))
     use_tools = bool(req.tools) and req.tool_choice != "none"
     return Turn(prompt.tokens, ds, use_tools, applied, edited)
 

@@ -99,7 +99,7 @@ class ToolUses(_Count):
 
 
 class ClearToolUsesEdit(Closed):
-    """`clear_tool_uses_20250919`, with Anthropic's defaults: when the history reaches
+    """`clear_tool_uses_20250919`, with Anthropic's defaults: when the rendered prompt exceeds
     `trigger` (100,000 input tokens), the oldest tool results but the `keep` most recent (3)
     are replaced by a stub, unless that would clear fewer than `clear_at_least` input tokens;
     tools named in `exclude_tools` are never cleared; `clear_tool_inputs` also blanks the

@@ -1,20 +1,22 @@
 """A session's history as the server keeps it, host-only: its replies' sampled ids
 (`ReplyMemory`, so a re-sent reply renders as sampled), explicit message-granular directives
 as an edited history and as token directives (`edit_messages`, `token_directives`), and
-Anthropic-style `clear_tool_uses_20250919` over the session's record (`ContextEditor`)."""
+Anthropic's `clear_tool_uses_20250919` over the session's record (`ContextEditor`), spliced as
+token directives (`clear_directives`)."""
 
 from __future__ import annotations
 
 import array
 import collections
+import copy
 import dataclasses
-import uuid
+import json
 from collections.abc import Sequence
 
 from leyline_jax.directives import Directive, Mode, apply_to_list
 from serve import chat
 from serve.edits import detect_edits, strongest
-from serve.policies import ClearToolUses
+from serve.policies import INPUT_STUB, STUB, call_of, pinned
 
 
 class ReplyMemory:
@@ -156,44 +158,153 @@ def token_directives(prompt: chat.Rendered, edited: chat.Rendered, directives, d
     return out
 
 
-class ContextEditor:
-    """Anthropic-style context editing (`clear_tool_uses_20250919`) applied by the server:
-    `serve.policies.ClearToolUses` with the request's parameters, over the session's own
-    record of what it cleared (so what was cleared stays cleared, and the session's cache
-    keeps hitting after the edit). Tokens are the server's tokenizer's. Event-loop thread
-    only."""
+@dataclasses.dataclass
+class Cleared:
+    """What `clear_tool_uses_20250919` makes of a request's history (`ContextEditor.edit`)."""
 
-    def __init__(self, count_tokens):
+    before: list[dict]  # the history with the session's earlier clears only (its record)
+    after: list[dict]  # the history the model runs: every clear applied
+    report: dict  # the `applied_edits` entry (what `after` clears of the history as sent)
+    new: set[int]  # the tool results (indices) cleared now, for the session's record
+
+
+class ContextEditor:
+    """Anthropic's context editing (`clear_tool_uses_20250919`) applied by the server, over the
+    session's own record of what it cleared. Anthropic's rules, with the prompt's input tokens
+    counted as `count` counts a history (the server: the rendered prompt, as `count_tokens`):
+
+    - `trigger`: the edit fires when the history as sent exceeds it (input tokens: the prompt's;
+      tool uses: its tool results), strictly.
+    - Firing clears every tool result but the `keep` most recent (every tool result counts
+      towards `keep`, excluded ones too), less those of `exclude_tools` and pinned ones: the
+      result's content becomes `serve.policies.STUB`, and under `clear_tool_inputs` (true, or
+      the call's tool named) its call's input becomes `{}`.
+    - `clear_at_least`: when the prompt's input tokens would shrink by fewer, nothing new is
+      cleared.
+    - `applied_edits`: `cleared_tool_uses`, the tool results cleared in the history the model
+      runs; `cleared_input_tokens`, how much that shrinks the prompt (never below 0).
+
+    A session's record keeps what was cleared cleared in its later requests, whatever they ask
+    (so its KV keeps matching); a history only grows under fixed parameters, so this clears what
+    Anthropic's stateless rule clears. `mode`: the directive a newly cleared result is spliced
+    as when the request names none ("amortize" or "forget": `serve.http.server`'s
+    `--context-edit-mode`). `edit` is pure (a long history is counted outside any lock);
+    `apply` and `HttpSessions.clear_tool_uses` keep the record."""
+
+    def __init__(self, count_tokens, mode: str = "amortize"):
         self.count = count_tokens
+        self.mode = mode
         self.cleared: dict[str, set[int]] = {}
 
-    def apply(self, key: str | None, messages: list[dict], edit) -> tuple[list[dict], dict]:
-        """(the edited history, the `applied_edits` entry: tool uses cleared in the history
-        the model runs, and the input tokens that removed)."""
-        trig = edit.trigger
-        name = key if key is not None else f"request-{uuid.uuid4().hex}"
-        policy = ClearToolUses(
-            trigger_input_tokens=trig.value if trig.type == "input_tokens" else None,
-            trigger_tool_uses=trig.value if trig.type == "tool_uses" else None,
-            keep=edit.keep.value,
-            clear_at_least=edit.clear_at_least.value if edit.clear_at_least else 0,
-            exclude_tools=tuple(edit.exclude_tools or ()),
-            clear_tool_inputs=(
-                edit.clear_tool_inputs
-                if isinstance(edit.clear_tool_inputs, bool)
-                else tuple(edit.clear_tool_inputs)
-            ),
-            count_tokens=self.count,
-            cleared={name: self.cleared.setdefault(name, set()) if key else set()},
+    def _size(self, messages: list[dict]) -> int:
+        """The history's tokens, message by message (without a renderer: contents and calls)."""
+        return sum(
+            self.count(m.get("content") or "")
+            + sum(self.count(json.dumps(c)) for c in m.get("tool_calls") or [])
+            for m in messages
         )
-        out = policy.apply(name, messages)
-        uses, tokens = policy.applied(name, messages)
+
+    @staticmethod
+    def _name(messages: list[dict], i: int) -> str | None:
+        m = messages[i]
+        return m.get("name") or ((call_of(messages, i)[1] or {}).get("function") or {}).get("name")
+
+    @staticmethod
+    def _blanks(edit, call) -> bool:
+        """Whether clearing the result of `call` clears its input too."""
+        inputs = edit.clear_tool_inputs
+        if isinstance(inputs, bool):
+            return inputs
+        return ((call or {}).get("function") or {}).get("name") in inputs
+
+    def _cleared(self, messages: list[dict], which, edit) -> list[dict]:
+        """`messages` with the tool results `which` (indices) cleared."""
+        out = copy.deepcopy(messages)
+        for i in sorted(which):
+            out[i]["content"] = STUB
+            j, call = call_of(out, i)
+            if call is not None and not pinned(out[j]) and self._blanks(edit, call):
+                call.setdefault("function", {})["arguments"] = INPUT_STUB
+        return out
+
+    def edit(self, record: set[int], messages: list[dict], edit, count=None) -> Cleared:
+        """The request's history before and after the edit, and its report, given the session's
+        record (the indices it cleared before; not changed: `Cleared.new` says what to add).
+        `count`: a history's input tokens (default: its contents' and calls' tokens)."""
+        count = count or self._size
+        tools = [i for i, m in enumerate(messages) if m.get("role") == "tool"]
+        clearable = {i for i in tools if not pinned(messages[i])}
+        prior = set(record) & clearable
+        before = self._cleared(messages, prior, edit) if prior else messages
+        sent = None  # the history's input tokens as sent, once counted
+        trig = edit.trigger
+        if trig.type == "tool_uses":
+            fired = len(tools) > trig.value
+        else:
+            sent = count(messages)
+            fired = sent > trig.value
+        excluded = set(edit.exclude_tools or ())
+        old = tools[: max(len(tools) - edit.keep.value, 0)] if fired else []
+        new = {i for i in old if i in clearable and self._name(messages, i) not in excluded}
+        new -= prior
+        after = before
+        if new:
+            after = self._cleared(messages, prior | new, edit)
+            sent = count(messages) if sent is None else sent
+            least = edit.clear_at_least.value if edit.clear_at_least else 0
+            if max(sent - count(after), 0) < least:
+                after, new = before, set()
+        shown = prior | new
+        if shown and sent is None:
+            sent = count(messages)
         report = {
             "type": "clear_tool_uses_20250919",
-            "cleared_tool_uses": uses,
-            "cleared_input_tokens": tokens,
+            "cleared_tool_uses": len(shown),
+            "cleared_input_tokens": max(sent - count(after), 0) if shown else 0,
         }
-        return out, report
+        return Cleared(before, after, report, new)
+
+    def apply(self, key: str | None, messages: list[dict], edit, count=None):
+        """(the history the model runs, the `applied_edits` entry), the session `key`'s record
+        kept (None: no record)."""
+        record = self.cleared.setdefault(key, set()) if key is not None else set()
+        e = self.edit(record, messages, edit, count)
+        record |= e.new
+        return e.after, e.report
 
     def forget(self, key: str) -> None:
         self.cleared.pop(key, None)
+
+
+def clear_directives(prompt: chat.Rendered, target: chat.Rendered, mode: Mode) -> list:
+    """Token directives, in `mode`, turning the rendered history `prompt` into `target`, the same
+    messages with some contents (and calls' inputs) changed: per message that differs, its
+    tokens replaced by the target's, less the tokens they begin and end with alike. When that
+    does not give `target` (a layout that renders neighbours differently), the two renders are
+    diffed (`serve.edits.detect_edits`)."""
+    p_toks, e_toks = list(prompt.tokens), list(target.tokens)
+    new_span = {sp.index: sp for sp in target.spans}
+    out = []
+    for sp in sorted(prompt.spans, key=lambda sp: sp.start):
+        a, b = sp.start, sp.end
+        e = new_span.get(sp.index)
+        if e is None:
+            break
+        repl = e_toks[e.start : e.end]
+        if p_toks[a:b] == repl:
+            continue
+        while a < b and repl and p_toks[a] == repl[0]:
+            a, repl = a + 1, repl[1:]
+        while a < b and repl and p_toks[b - 1] == repl[-1]:
+            b, repl = b - 1, repl[:-1]
+        out.append(Directive(a, b, tuple(repl), mode))
+    if apply_to_list(p_toks, out) == e_toks:
+        return out
+    ds, tail = detect_edits(p_toks, e_toks, mode=mode)
+    if tail:
+        if ds and ds[-1].end == len(p_toks):
+            last = ds.pop()
+            ds.append(Directive(last.start, last.end, last.replacement + tuple(tail), mode))
+        else:
+            ds.append(Directive(len(p_toks), len(p_toks), tuple(tail), mode))
+    return ds

@@ -7,6 +7,8 @@ per content block `content_block_start`, `content_block_delta` with a `text_delt
 `input_json_delta`, `content_block_stop`; `message_delta`; `message_stop`). Errors are in
 Anthropic's shape (`serve.http.errors`). The session: the `X-Session-Id` header, else
 `X-Claude-Code-Session-Id`, else `metadata.user_id` (`messages_input.session_name`).
+`max_tokens` past the context left is cut to it, and a reply the context ends stops with
+"model_context_window_exceeded" (Claude Code asks 32,000 of a model it does not know).
 
 Usage in Anthropic's terms, which add up to the prompt: `cache_read_input_tokens`, the tokens
 whose KV was reused or spliced (the session's, or the radix cache's); `input_tokens`, the rest
@@ -65,6 +67,7 @@ class MessagesReply(ChatReply):
         super().__init__(req, caller, turn, text, backend)
         self.head["id"] = f"msg_{uuid.uuid4().hex}"
         self.texting = False  # a stream's text block (index 0) is open
+        self.cut = False  # the budget is the context left, less than `max_tokens` asked
 
     @staticmethod
     def _event(kind: str, **fields) -> dict:
@@ -110,6 +113,8 @@ class MessagesReply(ChatReply):
     def _stop(self, out: Outcome, uses: list) -> dict:
         fin = self.finish_reason(out.output, uses)
         reason = _STOPS.get(fin, "stop_sequence" if self.text.stopped else "end_turn")
+        if reason == "max_tokens" and self.cut:
+            reason = "model_context_window_exceeded"
         seq = self.text.stop if reason == "stop_sequence" else None
         return {"stop_reason": reason, "stop_sequence": seq}
 
@@ -180,9 +185,13 @@ def add_routes(app, turns: Turns) -> None:
         req = chat_request(mreq, session_name(header, claude, mreq))
         caller = turns.session(req, None, tenant)
         turn = rendered(req, caller.key)
+        # a budget past the context left is cut to it (as Anthropic's newer models take it):
+        # the reply ends there as "model_context_window_exceeded"
+        room = max(backend.max_seq_len - len(turn.final), 1)  # < 1: a 400 naming `messages`
         try:
             grammar = formats.grammar(req, backend)
-            sampling = turns.sampling(req, len(turn.final), *req.max_new, grammar=grammar)
+            budget = min(mreq.max_tokens, room)
+            sampling = turns.sampling(req, len(turn.final), budget, "max_tokens", grammar=grammar)
         except APIError as e:
             raise renamed(e) from None
         return req, caller, turn, sampling
@@ -207,7 +216,9 @@ def add_routes(app, turns: Turns) -> None:
         tok = backend.tokenizer
         markers = tool_markers(tok) if turn.use_tools else ()
         text = OutputText(tok, tok.stop_tokens, req.stops, markers)
-        return await turns.respond(job, request, MessagesReply(req, caller, turn, text, backend))
+        reply = MessagesReply(req, caller, turn, text, backend)
+        reply.cut = sampling.max_new_tokens < req.max_tokens
+        return await turns.respond(job, request, reply)
 
     @app.post("/v1/messages/count_tokens", openapi_extra=body.documented(app, MessagesPrompt))
     async def count_tokens(request: Request):

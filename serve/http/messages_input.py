@@ -8,8 +8,10 @@ not permitted"), and so is one in a message, `metadata`, `tool_choice`, `output_
 `context_management`. Content blocks and tools take the fields Anthropic's betas add to them
 (`cache_control`, `citations`, `caller`, `defer_loading`...), ignored. `system` and a message's
 `content` may be a string (one text block); a message's text blocks are concatenated, as chat
-content parts are. Thinking blocks in assistant turns are dropped (the model did not write them);
-`thinking`, `output_config.effort`, `service_tier` and `cache_control` are accepted and ignored.
+content parts are. A message of role `system` (text only; Claude Code sends its environment so)
+is a system message where it stands. Thinking blocks in assistant turns are dropped (the model
+did not write them); `thinking`, `output_config.effort`, `service_tier` and `cache_control` are
+accepted and ignored.
 """
 
 from __future__ import annotations
@@ -93,7 +95,7 @@ Block = _one_of(
 
 
 class InputMessage(Closed):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # system: text only (Claude Code sends it)
     content: list[Block] = Field(min_length=1)
 
     _text = field_validator("content", mode="before")(classmethod(_blocks))
@@ -213,9 +215,11 @@ def _joined(blocks) -> str:
 def chat_messages(req: MessagesPrompt) -> list[dict]:
     """The chat messages of the request: `system` first, an assistant's `tool_use` blocks its
     tool calls, each `tool_result` a tool message (its content prefixed "Error: " when
-    `is_error`), a user's text blocks between them a user message. 400 naming the block at
-    fault: a block of the other role's, a `tool_result` whose `tool_use_id` is no `tool_use`
-    of the message before, a last message of the assistant (prefill is not served)."""
+    `is_error`), a user's text blocks between them a user message, a `system` message (Claude
+    Code's mid-conversation instructions) a system message there. 400 naming the block at
+    fault: a block of the other role's (a system message takes text only), a `tool_result`
+    whose `tool_use_id` is no `tool_use` of the message before, a last message of the
+    assistant (prefill is not served)."""
     out = [] if req.system is None else [{"role": "system", "content": _joined(req.system)}]
     asked: set[str] = set()  # the tool uses of the message before
     for i, m in enumerate(req.messages):
@@ -243,6 +247,9 @@ def chat_messages(req: MessagesPrompt) -> list[dict]:
             else:
                 why = f"{b.type} blocks are not taken in {m.role} messages"
                 raise APIError(400, why, f"{at}.type")
+        if m.role == "system":  # text blocks only: a system message where it stands
+            out.append({"role": "system", "content": _joined(texts)})
+            continue  # not a turn: the tool uses it follows are still the ones answered
         if m.role == "assistant":
             said: dict = {"role": "assistant", "content": _joined(texts) or None}
             if calls:

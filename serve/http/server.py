@@ -5,7 +5,7 @@ of this process, for tests and benchmarks).
         [--host 127.0.0.1] [--num-pages N] [--page-size N] [--max-seqs N] [--kv-dtype bf16|fp32]
         [--max-queue 64] [--warmup] [--list-shapes] [--compile-cache DIR|off]
         [--max-body-bytes 16777216] [--body-timeout 30] [--header-timeout 10] [--session-ttl 3600]
-        [--max-sessions 10000] [--max-sessions-per-tenant N]
+        [--max-sessions 10000] [--max-sessions-per-tenant N] [--context-edit-mode amortize|forget]
         [--snapshot-dir DIR] [--api-key KEY ...] [--api-keys-file FILE] [--admin-key KEY]
 
 The engine's flags and their defaults are `serve.engine.EngineConfig`'s.
@@ -164,6 +164,13 @@ def parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--max-sessions", type=int, default=MAX_SESSIONS, help="named sessions")
     ap.add_argument("--max-sessions-per-tenant", type=int, default=0, help="0: no such cap")
+    ap.add_argument(
+        "--context-edit-mode",
+        default="amortize",
+        choices=["amortize", "forget"],
+        help="the directive context_management's clears are spliced as when a request's "
+        "leyline.mode names none (forget: the session re-prefilled from the first clear)",
+    )
     ap.add_argument("--api-keys-file", help="tenants' keys, one a line: KEY or TENANT KEY")
     ap.add_argument(
         "--admin-key", action="append", default=[], help="a key for admin routes (snapshot)"
@@ -225,6 +232,7 @@ def main(argv=None) -> None:
         session_ttl_s=args.session_ttl or None,
         max_sessions=args.max_sessions or None,
         max_sessions_per_tenant=args.max_sessions_per_tenant or None,
+        context_edit_mode=args.context_edit_mode,
     )
     if args.list_shapes:
         names = backend.worker.engine.warmup_plan().names()

@@ -108,10 +108,16 @@ class HttpSessions:
         with self._lock:
             return self.replies.substitute(name, messages, rendered)
 
-    def clear_tool_uses(self, name: str | None, messages: list[dict], edit):
-        """Context editing over the session's record (`ContextEditor.apply`)."""
+    def clear_tool_uses(self, name: str | None, messages: list[dict], edit, count=None):
+        """Context editing over the session's record (`ContextEditor.edit`, counted outside the
+        lock), what it cleared now added to the record."""
         with self._lock:
-            return self.context.apply(name, messages, edit)
+            record = set(self.context.cleared.get(name, ())) if name is not None else set()
+        done = self.context.edit(record, messages, edit, count)
+        if name is not None and done.new:
+            with self._lock:
+                self.context.cleared.setdefault(name, set()).update(done.new)
+        return done
 
     def keep_replies(self, name: str, messages: list[dict]) -> None:
         """A FORGET turn: forget the session's remembered replies `messages` no longer hold."""
