@@ -305,8 +305,8 @@ BAD = [  # (a body, the field its error names)
     (_body(top_k=40), "top_k"),  # sampling from the top k: not supported
     (_body(metadata={"user_id": "u" * 300}), "metadata.user_id"),
     (_body(metadata={"session": "x"}), "metadata.session"),
-    (_body(context_management={"edits": [{"type": "compact_20260112"}]}),
-     "context_management.edits"),
+    (_body(context_management={"edits": [{"type": "compact_20260112", "trigger": 5}]}),
+     "context_management.edits.0.trigger"),
     (_body(context_management={"edits": [{"type": "clear_thinking_20251015", "keep": 3}]}),
      "context_management.edits.0.keep"),
     (_body(context_management={"edits": [{"type": "clear_tool_uses_20250919", "keep": 3}]}),

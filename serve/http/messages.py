@@ -4,7 +4,9 @@ becomes a chat request (`serve.http.messages_input`), the turn runs as a chat tu
 the edit channel, tools, forced tool calls' grammar, `context_management`, tenants and limits
 as there), and the answer is a `message`, or Anthropic's stream of events (`message_start`;
 per content block `content_block_start`, `content_block_delta` with a `text_delta` or an
-`input_json_delta`, `content_block_stop`; `message_delta`; `message_stop`). Errors are in
+`input_json_delta`, `content_block_stop`; `message_delta`; `message_stop`); past a
+`compact_20260112` trigger a `compaction` block opens the content (`serve.http.compaction`:
+the summary written and spliced in first). Errors are in
 Anthropic's shape (`serve.http.errors`). The session: the `X-Session-Id` header, else
 `X-Claude-Code-Session-Id`, else `metadata.user_id` (`messages_input.session_name`).
 `max_tokens` past the context left is cut to it, and a reply the context ends stops with
@@ -27,10 +29,11 @@ from typing import Annotated
 
 from fastapi import Header, Request
 from fastapi.responses import JSONResponse
+from sse_starlette.sse import EventSourceResponse
 
-from serve.http import body, formats
+from serve.http import body, compaction, formats
 from serve.http.body import Received
-from serve.http.chat_completions import ChatReply, render
+from serve.http.chat_completions import ChatReply, context_mode, render
 from serve.http.errors import APIError, anthropic_event
 from serve.http.extensions import SESSION_ID
 from serve.http.messages_input import (
@@ -42,7 +45,7 @@ from serve.http.messages_input import (
 )
 from serve.http.reply import Outcome, data, usage
 from serve.http.text import OutputText, tool_markers
-from serve.http.turn import SessionHeader, Turns
+from serve.http.turn import SessionHeader, Turns, session_headers
 
 # Claude Code's X-Claude-Code-Session-Id header: the session when X-Session-Id names none
 ClaudeSessionHeader = Annotated[str | None, Header(**SESSION_ID)]
@@ -58,6 +61,23 @@ def tool_input(arguments: str) -> dict | None:
     return value if isinstance(value, dict) else None
 
 
+_ITERATION = ("input_tokens", "output_tokens", "cache_creation_input_tokens",
+              "cache_read_input_tokens")  # fmt: skip
+
+
+def anthropic_usage(out: Outcome) -> dict:
+    """A turn's usage in Anthropic's terms, with ours (`reused_tokens`, `spliced_tokens`)."""
+    u = usage(out.stats, len(out.output))
+    read = u["prompt_tokens_details"]["cached_tokens"]
+    return {
+        "input_tokens": u["prompt_tokens"] - read,
+        "output_tokens": u["completion_tokens"],
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": read,
+        **{k: u[k] for k in ("reused_tokens", "spliced_tokens")},  # read, split
+    }
+
+
 class MessagesReply(ChatReply):
     """A turn's answer as a `message`, or its events."""
 
@@ -66,8 +86,15 @@ class MessagesReply(ChatReply):
     def __init__(self, req, caller, turn, text, backend):
         super().__init__(req, caller, turn, text, backend)
         self.head["id"] = f"msg_{uuid.uuid4().hex}"
-        self.texting = False  # a stream's text block (index 0) is open
+        self.texting = False  # a stream's text block (index `first`) is open
         self.cut = False  # the budget is the context left, less than `max_tokens` asked
+        self.compaction: dict | None = None  # the `compaction` block the content opens with
+        self.compaction_usage: dict | None = None  # ... and its turn's usage (an iteration)
+
+    @property
+    def first(self) -> int:
+        """The index of the first block the turn writes (after a `compaction` block)."""
+        return int(self.compaction is not None)
 
     @staticmethod
     def _event(kind: str, **fields) -> dict:
@@ -85,15 +112,13 @@ class MessagesReply(ChatReply):
         }
 
     def _usage(self, out: Outcome) -> dict:
-        u = usage(out.stats, len(out.output))
-        read = u["prompt_tokens_details"]["cached_tokens"]
-        return {
-            "input_tokens": u["prompt_tokens"] - read,
-            "output_tokens": u["completion_tokens"],
-            "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": read,
-            **{k: u[k] for k in ("reused_tokens", "spliced_tokens")},  # read, split
-        }
+        """The turn's usage; after a compaction, its `iterations` too: the compaction's, then
+        this turn's (Anthropic's: the top-level fields are the last iteration's alone)."""
+        use = anthropic_usage(out)
+        if self.compaction_usage is not None:
+            last = {k: v for k, v in use.items() if k in _ITERATION}
+            use["iterations"] = [self.compaction_usage, {"type": "message", **last}]
+        return use
 
     def _content(self, out: Outcome) -> tuple[str, list[dict], dict]:
         """(the text, the `tool_use` blocks, the extras every answer ends with), the reply
@@ -122,7 +147,42 @@ class MessagesReply(ChatReply):
         self.text.update(out.output, final=True)
         text, uses, extra = self._content(out)
         blocks = ([{"type": "text", "text": text}] if text else []) + uses
+        if self.compaction is not None:
+            blocks.insert(0, self.compaction)
         return self._message(blocks, self._stop(out, uses), self._usage(out)) | extra
+
+    def _compaction_events(self) -> list[dict]:
+        """The `compaction` block as Anthropic streams it: opened with null content, the
+        summary in one `compaction_delta`, closed."""
+        opened = {"type": "compaction", "content": None}
+        delta = {"type": "compaction_delta", "content": self.compaction["content"]}
+        return [
+            self._event("content_block_start", index=0, content_block=opened),
+            self._event("content_block_delta", index=0, delta=delta),
+            self._event("content_block_stop", index=0),
+        ]
+
+    def paused(self) -> dict:
+        """The answer of a compaction paused after its block (`pause_after_compaction`): the
+        block alone, stop_reason "compaction", the compaction's usage (the only iteration)."""
+        stop = {"stop_reason": "compaction", "stop_sequence": None}
+        use = {k: v for k, v in self.compaction_usage.items() if k != "type"}
+        use["iterations"] = [self.compaction_usage]
+        extra = {"leyline": self.leyline(self.turn.final, [], self.turn.directives)}
+        if self.turn.applied_edits is not None:
+            extra["context_management"] = {"applied_edits": self.turn.applied_edits}
+        return self._message([self.compaction], stop, use) | extra
+
+    def paused_events(self) -> list[dict]:
+        """`paused` as Anthropic's stream of events."""
+        whole = self.paused()
+        extra = {k: whole[k] for k in ("leyline", "context_management") if k in whole}
+        stop = {k: whole[k] for k in ("stop_reason", "stop_sequence")}
+        return [
+            *self.opening(),
+            self._event("message_delta", delta=stop, usage=whole["usage"], **extra),
+            self._event("message_stop"),
+        ]
 
     def opening(self) -> list[dict]:
         use = {"input_tokens": len(self.turn.final), "output_tokens": 0,
@@ -130,16 +190,18 @@ class MessagesReply(ChatReply):
         first = self._message([], {"stop_reason": None, "stop_sequence": None}, use)
         if self.turn.applied_edits is not None:
             first["context_management"] = {"applied_edits": self.turn.applied_edits}
-        return [self._event("message_start", message=first)]
+        events = [self._event("message_start", message=first)]
+        return events + (self._compaction_events() if self.compaction is not None else [])
 
     def deltas(self, text: str, out: Outcome | None = None) -> list[dict]:
         events = []
         if not self.texting:  # a text block opens with the first text
             self.texting = True
             block = {"type": "text", "text": ""}
-            events.append(self._event("content_block_start", index=0, content_block=block))
+            events.append(self._event("content_block_start", index=self.first,
+                                      content_block=block))  # fmt: skip
         delta = {"type": "text_delta", "text": text}
-        return [*events, self._event("content_block_delta", index=0, delta=delta)]
+        return [*events, self._event("content_block_delta", index=self.first, delta=delta)]
 
     def closing(self, out: Outcome) -> list[dict]:
         text = self.text
@@ -149,8 +211,8 @@ class MessagesReply(ChatReply):
             tail += text.text[text.sent :]
         events = self.deltas(tail) if tail else []
         if self.texting:
-            events.append(self._event("content_block_stop", index=0))
-        for k, u in enumerate(uses, start=int(self.texting)):
+            events.append(self._event("content_block_stop", index=self.first))
+        for k, u in enumerate(uses, start=self.first + int(self.texting)):
             args = {"type": "input_json_delta", "partial_json": json.dumps(u["input"])}
             events += [
                 self._event("content_block_start", index=k, content_block=u | {"input": {}}),
@@ -177,24 +239,38 @@ def add_routes(app, turns: Turns) -> None:
         except APIError as e:
             raise renamed(e) from None
 
-    def prepare(received: Received, header: str | None, claude: str | None, tenant: str):
-        """(its chat request, its caller, its turn, its sampling): the body parsed, the
-        conversation rendered, the grammar compiled. The work that grows with the body, for a
-        worker thread (`serve.http.body`)."""
-        mreq = received.parse(MessagesRequest)
-        req = chat_request(mreq, session_name(header, claude, mreq))
-        caller = turns.session(req, None, tenant)
-        turn = rendered(req, caller.key)
-        # a budget past the context left is cut to it (as Anthropic's newer models take it):
-        # the reply ends there as "model_context_window_exceeded"
+    def budgeted(req, turn, asked: int, grammar=None):
+        """The turn's sampling, its budget `asked` cut to the context left (as Anthropic's
+        newer models take it: the reply ends there as "model_context_window_exceeded")."""
         room = max(backend.max_seq_len - len(turn.final), 1)  # < 1: a 400 naming `messages`
         try:
-            grammar = formats.grammar(req, backend)
-            budget = min(mreq.max_tokens, room)
-            sampling = turns.sampling(req, len(turn.final), budget, "max_tokens", grammar=grammar)
+            budget = min(asked, room)
+            return turns.sampling(req, len(turn.final), budget, "max_tokens", grammar=grammar)
         except APIError as e:
             raise renamed(e) from None
-        return req, caller, turn, sampling
+
+    def prepare(received: Received, header: str | None, claude: str | None, tenant: str):
+        """(its chat request, its caller, its turn, its sampling, the compaction due or None):
+        the body parsed, the conversation rendered, the grammar compiled; past a compaction's
+        trigger, the summary's turn too. The work that grows with the body, for a worker
+        thread (`serve.http.body`)."""
+        mreq = received.parse(MessagesRequest)
+        name = session_name(header, claude, mreq)
+        req = chat_request(mreq, name)
+        caller = turns.session(req, None, tenant)
+        turn = rendered(req, caller.key)
+        try:
+            grammar = formats.grammar(req, backend)
+        except APIError as e:
+            raise renamed(e) from None
+        sampling = budgeted(req, turn, mreq.max_tokens, grammar)
+        edit = mreq.context_management and mreq.context_management.compact
+        plan = None
+        if edit and len(turn.final) > compaction.trigger(edit, backend.max_seq_len):
+            sreq = chat_request(compaction.summary_request(mreq, edit), name)
+            sturn = rendered(sreq, caller.key)
+            plan = compaction.Plan(edit, sreq, sturn, budgeted(sreq, sturn, mreq.max_tokens))
+        return req, caller, turn, sampling, plan
 
     def count(received: Received, tenant: str) -> JSONResponse:
         req = chat_request(received.parse(MessagesPrompt), None)
@@ -209,15 +285,36 @@ def add_routes(app, turns: Turns) -> None:
     ):
         received, tenant = await body.received(request), request.state.tenant
         # off the event loop: a long conversation delays no other request
-        req, caller, turn, sampling = await body.in_thread(
+        req, caller, turn, sampling, plan = await body.in_thread(
             prepare, received, x_session_id, x_claude_code_session_id, tenant
         )
-        job = turns.start(turn.prompt, sampling, req, caller, turn.directives)
         tok = backend.tokenizer
+        block = None
+        if plan is not None:  # the summary first, then the reply over it (or the block alone)
+            summary, sout = await compaction.summarize(turns, request, plan, caller)
+            block = compaction.block(summary)
+            use = {"type": "compaction", **{k: v for k, v in anthropic_usage(sout).items()
+                                            if k in _ITERATION}}  # fmt: skip
+            if plan.edit.pause_after_compaction:
+                text = OutputText(tok, tok.stop_tokens, (), ())
+                paused = MessagesReply(req, caller, plan.turn, text, backend)
+                paused.compaction, paused.compaction_usage = block, use
+                headers = session_headers(caller.name)
+                if req.stream:
+                    return EventSourceResponse(iter(paused.paused_events()), headers=headers)
+                return JSONResponse(paused.paused(), headers=headers)
+            if summary:
+                mode = context_mode(req, backend.sessions)
+                turn = await body.in_thread(compaction.reply_turn, plan, summary, caller.key,
+                                            tok, backend.sessions, mode)  # fmt: skip
+                sampling = budgeted(req, turn, req.max_tokens, sampling.grammar)
+        job = turns.start(turn.prompt, sampling, req, caller, turn.directives)
         markers = tool_markers(tok) if turn.use_tools else ()
         text = OutputText(tok, tok.stop_tokens, req.stops, markers)
         reply = MessagesReply(req, caller, turn, text, backend)
         reply.cut = sampling.max_new_tokens < req.max_tokens
+        if block is not None:
+            reply.compaction, reply.compaction_usage = block, use
         return await turns.respond(job, request, reply)
 
     @app.post("/v1/messages/count_tokens", openapi_extra=body.documented(app, MessagesPrompt))

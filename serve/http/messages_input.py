@@ -11,7 +11,8 @@ not permitted"), and so is one in a message, `metadata`, `tool_choice`, `output_
 content parts are. A message of role `system` (text only; Claude Code sends its environment so)
 is a system message where it stands. Thinking blocks in assistant turns are dropped (the model
 did not write them); `thinking`, `output_config.effort`, `service_tier` and `cache_control` are
-accepted and ignored.
+accepted and ignored. A `compaction` block sent back drops everything before it, as Anthropic's
+does (`chat_messages`); `compact_20260112` is `CompactEdit`, served by `serve.http.compaction`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from serve.http.extensions import (
     ClearThinkingEdit,
     ClearToolUsesEdit,
     Closed,
+    InputTokens,
     LeylineOptions,
 )
 from serve.http.schema import ChatCompletionRequest, Open, refused
@@ -88,9 +90,17 @@ class RedactedThinkingBlock(Open):
     data: str
 
 
+class CompactionBlock(Open):
+    """A `compaction` block sent back (Anthropic's round trip): the summary the server wrote in
+    place of everything before it; null content (a failed compaction) is a no-op."""
+
+    type: Literal["compaction"]
+    content: str | None = Field(min_length=1)
+
+
 Block = _one_of(
     TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, RedactedThinkingBlock,
-    what="content block",
+    CompactionBlock, what="content block",
 )  # fmt: skip
 
 
@@ -154,21 +164,35 @@ class OutputConfig(Closed):
     task_budget: dict[str, Any] | None = None  # ignored
 
 
-Edit = _one_of(ClearToolUsesEdit, ClearThinkingEdit, what="edit")
+class CompactEdit(Closed):
+    """`compact_20260112`: past `trigger` (the prompt's input tokens, strictly; None: the
+    server's default, `serve.http.compaction.trigger`) the server has the model summarize the
+    conversation (`instructions`, empty or blank as absent, replace the default prompt) and
+    answers a `compaction` block first (`serve.http.compaction`)."""
+
+    type: Literal["compact_20260112"]
+    trigger: InputTokens | None = None
+    pause_after_compaction: bool = False
+    instructions: str | None = None
+
+
+Edit = _one_of(ClearToolUsesEdit, ClearThinkingEdit, CompactEdit, what="edit")
 
 
 class ContextEdits(Closed):
-    edits: list[Edit] = Field(default_factory=list, max_length=2)
+    edits: list[Edit] = Field(default_factory=list, max_length=3)
 
     @field_validator("edits", mode="before")
     @classmethod
     def _served(cls, v):
         kinds = [e.get("type") for e in v if isinstance(e, dict)] if isinstance(v, list) else []
-        if "compact_20260112" in kinds:
-            raise ValueError("compact_20260112 (compaction) is not supported yet")
         if len(set(kinds)) < len(kinds):
             raise ValueError("at most one edit of each type")
         return v
+
+    @property
+    def compact(self) -> CompactEdit | None:
+        return next((e for e in self.edits if e.type == "compact_20260112"), None)
 
 
 class Metadata(Closed):
@@ -216,17 +240,23 @@ def chat_messages(req: MessagesPrompt) -> list[dict]:
     """The chat messages of the request: `system` first, an assistant's `tool_use` blocks its
     tool calls, each `tool_result` a tool message (its content prefixed "Error: " when
     `is_error`), a user's text blocks between them a user message, a `system` message (Claude
-    Code's mid-conversation instructions) a system message there. 400 naming the block at
-    fault: a block of the other role's (a system message takes text only), a `tool_result`
-    whose `tool_use_id` is no `tool_use` of the message before, a last message of the
-    assistant (prefill is not served)."""
+    Code's mid-conversation instructions) a system message there. A `compaction` block with a
+    summary (an assistant's) drops everything before it (`compacted_from`; `system` stays) and
+    is an assistant message whose content is the summary, the rest of its message another.
+    400 naming the block at fault: a block of the other role's (a system message takes text
+    only), a `tool_result` whose `tool_use_id` is no `tool_use` of the message before, a last
+    message of the assistant (prefill is not served) unless it ends with a `compaction` block
+    (the turn after a paused compaction: the reply follows the summary)."""
     out = [] if req.system is None else [{"role": "system", "content": _joined(req.system)}]
     asked: set[str] = set()  # the tool uses of the message before
-    for i, m in enumerate(req.messages):
+    first, skip = compacted_from(req)
+    for i, m in enumerate(req.messages[first:], start=first):
         texts: list[TextBlock] = []
-        calls, uses = [], set()
+        calls, uses, summarized = [], set(), False
         for k, b in enumerate(m.content):
             at = f"messages.{i}.content.{k}"
+            if i == first and k < skip:
+                continue  # before the compaction block: dropped
             if m.role == "user" and b.type == "tool_result":
                 if b.tool_use_id not in asked:
                     why = f"no tool_use {b.tool_use_id!r} in the message before"
@@ -244,13 +274,17 @@ def chat_messages(req: MessagesPrompt) -> list[dict]:
                 uses.add(b.id)
             elif m.role == "assistant" and b.type in ("thinking", "redacted_thinking"):
                 continue  # dropped: the model here wrote no thinking
+            elif m.role == "assistant" and b.type == "compaction":
+                if b.content is not None:  # the summary: an assistant message of its own
+                    out.append({"role": "assistant", "content": b.content})
+                    summarized = True
             else:
                 why = f"{b.type} blocks are not taken in {m.role} messages"
                 raise APIError(400, why, f"{at}.type")
         if m.role == "system":  # text blocks only: a system message where it stands
             out.append({"role": "system", "content": _joined(texts)})
             continue  # not a turn: the tool uses it follows are still the ones answered
-        if m.role == "assistant":
+        if m.role == "assistant" and (texts or calls or not summarized):
             said: dict = {"role": "assistant", "content": _joined(texts) or None}
             if calls:
                 said["tool_calls"] = calls
@@ -260,11 +294,25 @@ def chat_messages(req: MessagesPrompt) -> list[dict]:
         elif texts:
             out.append({"role": "user", "content": _joined(texts)})
         asked = uses
-    if req.messages[-1].role == "assistant":
+    last = req.messages[-1]
+    if last.role == "assistant" and last.content[-1].type != "compaction":
         n = len(req.messages) - 1
         why = "a last assistant message (prefill) is not supported"
         raise APIError(400, why, f"messages.{n}.role")
     return out
+
+
+def compacted_from(req: MessagesPrompt) -> tuple[int, int]:
+    """(message, block) of the last `compaction` block with a summary, in an assistant message:
+    where the conversation the model runs begins (Anthropic's rule: everything before the
+    block is dropped); (0, 0) when there is none."""
+    for i in range(len(req.messages) - 1, -1, -1):
+        m = req.messages[i]
+        for k in range(len(m.content) - 1, -1, -1):
+            b = m.content[k]
+            if m.role == "assistant" and b.type == "compaction" and b.content is not None:
+                return i, k
+    return 0, 0
 
 
 def chat_request(req: MessagesPrompt, session: str | None) -> ChatCompletionRequest:

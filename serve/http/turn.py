@@ -116,7 +116,7 @@ class Turns:
         the stream's last event before its end."""
         if not reply.req.stream:
             out = Outcome()
-            async for _ in self._deltas(job, request, reply, out):
+            async for _ in self.deltas(job, request, reply, out):
                 pass
             if out.gone:
                 raise APIError(499, "the client went away", None, code="cancelled")
@@ -127,7 +127,7 @@ class Turns:
             for ev in reply.opening():
                 yield ev
             try:
-                async for delta in self._deltas(job, request, reply, out):
+                async for delta in self.deltas(job, request, reply, out):
                     for ev in reply.deltas(delta, out):
                         yield ev
             except APIError as e:
@@ -169,7 +169,7 @@ class Turns:
             if not job.done:
                 self.worker.cancel(job)
 
-    async def _deltas(self, job: Job, request: Request, reply: Reply, out: Outcome):
+    async def deltas(self, job: Job, request: Request, reply: Reply, out: Outcome):
         """The text a turn's output may send so far, delta by delta, as its tokens arrive
         (`out` collects the tokens and the turn's stats). A stop string ends the turn here;
         an engine error raises the APIError for `reply.field`; a client gone sets `out.gone`."""
