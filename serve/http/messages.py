@@ -78,6 +78,15 @@ def anthropic_usage(out: Outcome) -> dict:
     }
 
 
+def salt_named(e: APIError, source: str) -> APIError:
+    """`e` naming, for chat's `cache_salt` (the session was opened by another API's request
+    with another salt), the Messages field `source` that named the session."""
+    if e.param == "cache_salt":
+        why = "names a session opened with another cache_salt (by another API's request)"
+        e.param, e.message = source, f"{source}: {why}"
+    return e
+
+
 class MessagesReply(ChatReply):
     """A turn's answer as a `message`, or its events."""
 
@@ -88,6 +97,7 @@ class MessagesReply(ChatReply):
         self.head["id"] = f"msg_{uuid.uuid4().hex}"
         self.texting = False  # a stream's text block (index `first`) is open
         self.cut = False  # the budget is the context left, less than `max_tokens` asked
+        self.source = "x-session-id"  # the field that named the session (`salt_named`)
         self.compaction: dict | None = None  # the `compaction` block the content opens with
         self.compaction_usage: dict | None = None  # ... and its turn's usage (an iteration)
 
@@ -224,7 +234,7 @@ class MessagesReply(ChatReply):
         return [*events, self._event("message_stop")]
 
     def error(self, e: APIError) -> dict:
-        return anthropic_event(e)
+        return anthropic_event(salt_named(e, self.source))
 
     def end(self) -> list[dict]:  # Anthropic's stream ends at message_stop
         return []
@@ -288,6 +298,15 @@ def add_routes(app, turns: Turns) -> None:
         req, caller, turn, sampling, plan = await body.in_thread(
             prepare, received, x_session_id, x_claude_code_session_id, tenant
         )
+        source = ("x-session-id" if x_session_id is not None else "x-claude-code-session-id"
+                  if x_claude_code_session_id is not None else "metadata.user_id")  # fmt: skip
+        try:
+            return await answer(request, req, caller, turn, sampling, plan, source)
+        except APIError as e:
+            raise salt_named(e, source) from None
+
+    async def answer(request, req, caller, turn, sampling, plan, source):
+        """The turn run and answered (after the compaction's summary, where one is due)."""
         tok = backend.tokenizer
         block = None
         if plan is not None:  # the summary first, then the reply over it (or the block alone)
@@ -313,6 +332,7 @@ def add_routes(app, turns: Turns) -> None:
         text = OutputText(tok, tok.stop_tokens, req.stops, markers)
         reply = MessagesReply(req, caller, turn, text, backend)
         reply.cut = sampling.max_new_tokens < req.max_tokens
+        reply.source = source
         if block is not None:
             reply.compaction, reply.compaction_usage = block, use
         return await turns.respond(job, request, reply)
