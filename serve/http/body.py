@@ -4,18 +4,22 @@ and validates them (`Received.parse`) in the worker thread where it prepares its
 (`in_thread`), rather than letting FastAPI do both on the loop, where a 10 MB body of many
 small objects (messages, content parts) held every other request for 0.15-3 s.
 
-Why a thread and not a process of its own. In a thread the loop gets the GIL back whenever the
-parse runs Python code (pydantic calls the models' validators for every message and content
+Why a thread, and for some bodies a process. In a thread the loop gets the GIL back whenever
+the parse runs Python code (pydantic calls the models' validators for every message and content
 part). What holds it is C: `json.loads` (1 ms a MB of prose, up to 20 ms a MB of small
-numbers), pydantic's loops over lists of scalars (40 ms for 3 million token ids), and the
-collector's passes over the objects a body becomes (up to 80-200 ms for 10 MB of content parts
-or tool schemas). A process would take `json.loads`'s share away but not the collector's: its
-validated tree is built here again when unpickled, with the same passes, and the process would
-import the schema's dependencies (jax among them, 2.3 s) for it. Measured with
-tests/test_event_loop.py on `python -m serve.http`: beside a 10 MB chat request, /health's p99
-went from 5-9.5 s to 25-60 ms for one long message (the tokenizer's share: see
-`serve.chat.ChatTokenizer.encode`), and to 20-135 ms for hundreds of thousands of messages or
-content parts (what is left is the collector's).
+numbers; 120 ms for 10 MB of content parts), pydantic's loops over lists of scalars (40 ms for
+3 million token ids), and the collector's passes over the objects a body becomes (up to
+80-200 ms for 10 MB of content parts). A process of its own takes away what it need not hand
+back: where the route reads a message's text parts joined (chat, Anthropic's messages), a body
+over `APART` bytes is parsed in the parsing process, which joins each list of text parts into
+one part before the value comes back, so neither `json.loads` nor hundreds of thousands of
+validated parts reach this process (`joined_text_parts`). A body it cannot shrink so (many
+messages, tool schemas) comes back unjoined and is parsed in the thread: unpickling its value
+here would hold the GIL as long as parsing it. Measured with tests/test_event_loop.py on
+`python -m serve.http`: beside a 10 MB chat request, /health's p99 went from 5-9.5 s to 25-60
+ms for one long message (the tokenizer's share: see `serve.chat.ChatTokenizer.encode`), to
+20-135 ms for hundreds of thousands of messages, and from 205-253 ms to 2-18 ms for 256,410
+content parts.
 
 The errors are FastAPI's own, answered by `serve.http.errors` as before: a
 `RequestValidationError` with the locations FastAPI gives (`("body", ...)`; a JSON syntax error
@@ -28,10 +32,13 @@ as FastAPI did.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import email.message
 import json
-from typing import TypeVar
+import multiprocessing
+import threading
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.encoders import jsonable_encoder
@@ -42,6 +49,7 @@ from starlette.exceptions import HTTPException
 
 M = TypeVar("M", bound=BaseModel)
 REF = "#/components/schemas/{model}"
+APART = 1 << 20  # bytes: a JSON body this long whose route joins text parts is parsed apart
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,22 +59,29 @@ class Received:
     data: bytes
     content_type: str | None
 
-    def parse(self, model: type[M]) -> M:
+    def parse(self, model: type[M], *, joins_text: bool = False) -> M:
         """The body as `model`, parsed and validated as FastAPI would (JSON by its
         Content-Type); raises FastAPI's errors (see the module docstring). Call it off the event
-        loop."""
+        loop. `joins_text`: the route reads a message's text parts joined with nothing between
+        them, so a `messages[i].content` list of text parts alone may be validated as one part
+        (`joined_text_parts`); a body over `APART` bytes is then parsed in the parsing process,
+        which hands back the joined value."""
         if not self.data:
             missing = {"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}
             raise RequestValidationError([missing])
-        value = self.data
+        value: Any = self.data
         if self._is_json():
-            try:
-                value = json.loads(self.data)
-            except json.JSONDecodeError as e:
-                bad = {"type": "json_invalid", "loc": ("body", e.pos), "msg": "JSON decode error"}
-                raise RequestValidationError([bad | {"input": {}, "ctx": {"error": e.msg}}]) from e
-            except Exception as e:  # not UTF-8, nested too deep
-                raise HTTPException(400, "There was an error parsing the body") from e
+            apart = _apart(self.data) if joins_text and len(self.data) > APART else None
+            if apart is None or apart[0] == "unjoined":  # parsed here
+                apart = _loaded(self.data)
+            match apart:
+                case ("json_invalid", pos, msg):
+                    bad = {"type": "json_invalid", "loc": ("body", pos), "msg": "JSON decode error"}
+                    raise RequestValidationError([bad | {"input": {}, "ctx": {"error": msg}}])
+                case ("undecodable",):  # not UTF-8, nested too deep
+                    raise HTTPException(400, "There was an error parsing the body")
+                case (_, value):
+                    pass
         try:
             return model.model_validate(value, from_attributes=True)
         except ValidationError as e:
@@ -83,6 +98,70 @@ class Received:
         return message.get_content_maintype() == "application" and (
             subtype == "json" or subtype.endswith("+json")
         )
+
+
+def _loaded(data: bytes) -> tuple:
+    """`json.loads(data)` as ("ok", value), or why not: ("json_invalid", pos, msg), or
+    ("undecodable",)."""
+    try:
+        return ("ok", json.loads(data))
+    except json.JSONDecodeError as e:
+        return ("json_invalid", e.pos, e.msg)
+    except Exception:  # not UTF-8, nested too deep
+        return ("undecodable",)
+
+
+def joined_text_parts(value: Any) -> bool:
+    """Each `messages[i].content` of `value` (a request's JSON) that is a list of two or more
+    text parts, each exactly `{"type": "text", "text": <str>}`, made one such part, their texts
+    joined (in place); whether any was. A list holding anything else (another type, another
+    key) is left as it came, so a validation error names the part it names in the request."""
+    messages = value.get("messages") if isinstance(value, dict) else None
+    joined = False
+    for m in messages if isinstance(messages, list) else ():
+        parts = m.get("content") if isinstance(m, dict) else None
+        if isinstance(parts, list) and len(parts) > 1 and all(map(_text_part, parts)):
+            m["content"] = [{"type": "text", "text": "".join(p["text"] for p in parts)}]
+            joined = True
+    return joined
+
+
+def _text_part(p) -> bool:
+    return (
+        type(p) is dict and len(p) == 2 and p.get("type") == "text" and type(p.get("text")) is str
+    )
+
+
+def _parsed_apart(data: bytes) -> tuple:
+    """In the parsing process: `_loaded(data)`, its value's text parts joined; ("unjoined",)
+    where none was (the value would cost the loop as much to unpickle as to parse)."""
+    loaded = _loaded(data)
+    if loaded[0] == "ok" and not joined_text_parts(loaded[1]):
+        return ("unjoined",)
+    return loaded
+
+
+_parser: concurrent.futures.ProcessPoolExecutor | None = None
+_parser_lock = threading.Lock()
+
+
+def _apart(data: bytes) -> tuple | None:
+    """`_parsed_apart(data)` in the parsing process (one, spawned on first use: it imports this
+    module, not jax), waited for in the calling thread; None if the process failed (the caller
+    parses here, and the next call starts another)."""
+    global _parser
+    with _parser_lock:
+        if _parser is None:
+            spawn = multiprocessing.get_context("spawn")
+            _parser = concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn)
+        parser = _parser
+    try:
+        return parser.submit(_parsed_apart, data).result()
+    except concurrent.futures.process.BrokenProcessPool:
+        with _parser_lock:
+            if _parser is parser:
+                _parser = None
+        return None
 
 
 async def in_thread(fn, *args):

@@ -211,7 +211,7 @@ def add_route(app, turns: Turns) -> None:
         """(the request, its caller, its turn, its sampling): the body parsed, the history
         rendered and tokenized, the grammar compiled. The work that grows with the body, for a
         worker thread (`serve.http.body`)."""
-        req = received.parse(ChatCompletionRequest)
+        req = received.parse(ChatCompletionRequest, joins_text=True)
         caller = turns.session(req, header, tenant)
         turn = render(req, caller.key, backend.tokenizer, backend.sessions, backend.max_seq_len)
         grammar = formats.grammar(req, backend)

@@ -264,7 +264,7 @@ def add_routes(app, turns: Turns) -> None:
         the body parsed, the conversation rendered, the grammar compiled; past a compaction's
         trigger, the summary's turn too. The work that grows with the body, for a worker
         thread (`serve.http.body`)."""
-        mreq = received.parse(MessagesRequest)
+        mreq = received.parse(MessagesRequest, joins_text=True)
         name = session_name(header, claude, mreq)
         req = chat_request(mreq, name)
         caller = turns.session(req, None, tenant)
@@ -283,7 +283,7 @@ def add_routes(app, turns: Turns) -> None:
         return req, caller, turn, sampling, plan
 
     def count(received: Received, tenant: str) -> JSONResponse:
-        req = chat_request(received.parse(MessagesPrompt), None)
+        req = chat_request(received.parse(MessagesPrompt, joins_text=True), None)
         turns.session(req, None, tenant)  # the model served
         return JSONResponse({"input_tokens": len(rendered(req, None).final)})
 
