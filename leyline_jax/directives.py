@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from leyline_jax import allocator, importance, splice
+from leyline_jax import allocator, importance, paged, recompute, splice
 from leyline_jax.allocator import SequenceError
 from leyline_jax.hf_config import is_int
 from leyline_jax.kv_state import PagedKVState
@@ -85,7 +85,11 @@ class Directive:
 
     DECAY needs `budget` (how many of the span's tokens to keep); MOVE needs `sources` (which
     parts of the replacement come from the sequence's own KV). `override_pin`: the directive
-    may cut into a span its session pinned (checked by the engine, which owns pins)."""
+    may cut into a span its session pinned (checked by the engine, which owns pins).
+    `recompute` (AMORTIZE and MOVE): after the splice, this many of the downstream tokens (an
+    int), or this fraction of them (a float in [0, 1]), are run through the model again
+    (`leyline_jax.recompute`); 0 is the splice alone, the whole downstream FORGET's KV. Not a
+    redaction: the tokens not chosen keep KV computed with the evicted span."""
 
     start: int
     end: int
@@ -94,6 +98,7 @@ class Directive:
     budget: int | None = None
     sources: tuple[Source, ...] = ()
     override_pin: bool = False
+    recompute: int | float = 0
 
     def __post_init__(self):
         _ints(self, ("start", "end"))
@@ -114,6 +119,7 @@ class Directive:
             object.__setattr__(self, "budget", int(self.budget))
         elif self.budget is not None:
             raise DirectiveError(f"budget is DECAY's; a {self.mode.name} directive has none")
+        self._check_recompute()
         srcs = _tuple(self.sources, "sources must be a sequence of Source")
         if any(not isinstance(x, Source) for x in srcs):
             raise DirectiveError(f"sources must be Source items, got {srcs!r}")
@@ -130,6 +136,24 @@ class Directive:
                     "(sources go left to right, inside the replacement)"
                 )
             covered = x.offset + x.length
+
+    def _check_recompute(self) -> None:
+        r = self.recompute
+        if isinstance(r, float):
+            if not 0.0 <= r <= 1.0:  # NaN fails too
+                raise DirectiveError(f"recompute as a fraction must be in [0, 1], got {r!r}")
+            object.__setattr__(self, "recompute", float(r))
+        elif is_int(r) and r >= 0:
+            object.__setattr__(self, "recompute", int(r))
+        else:
+            raise DirectiveError(
+                "recompute must be a token count (an int >= 0) or a fraction of the downstream "
+                f"(a float in [0, 1]), got {r!r}"
+            )
+        if self.recompute and self.mode not in SPLICED:
+            raise DirectiveError(
+                f"recompute is AMORTIZE's and MOVE's; a {self.mode.name} directive has none"
+            )
 
     @property
     def delta(self) -> int:
@@ -239,6 +263,7 @@ class Applied:
     length: int  # the edited sequence's length
     moved: int = 0  # of `spliced`, the replacements' tokens MOVE (and DECAY) copied
     kept: tuple[int, ...] = ()  # DECAY: the positions it kept (pre-batch coordinates)
+    recomputed: int = 0  # tokens run again after the splice (`Directive.recompute`)
 
 
 def _check_source_pages(state: PagedKVState, seq: int, ds: Sequence[Directive]) -> None:
@@ -298,6 +323,7 @@ def apply_directives(
     *,
     impl: str | None = None,
     report: bool = False,
+    recompute_rule: str = "deviation",
 ) -> PagedKVState | tuple[PagedKVState, Applied]:
     """Apply an atomic batch of non-overlapping directives (pre-batch coordinates) to `seq`.
 
@@ -307,8 +333,13 @@ def apply_directives(
     `DirectiveError` (invalid input) or `OutOfPagesError` before anything changes. Donates
     `state`. `impl` picks the splice implementation (see `pallas_kernels.splice_rotate`).
     With `report=True` returns `(state, Applied)`: how many tokens were reused, spliced and
-    prefilled.
+    prefilled. A directive's `recompute` runs after the splice, chosen by `recompute_rule`
+    (`leyline_jax.recompute.RULES`); a batch with a FORGET takes none (everything from the
+    FORGET on is prefilled again, and what it prefills must read the recomputed KV).
     """
+    if recompute_rule not in recompute.RULES:
+        why = f"recompute_rule must be one of {recompute.RULES}, got {recompute_rule!r}"
+        raise DirectiveError(why)
     try:
         seq = allocator.check_seq(state, seq, want_open=True)
     except SequenceError as e:
@@ -318,6 +349,10 @@ def apply_directives(
     ds = validate(directives, length, vocab, tokens)
     if not ds:
         return (state, Applied(length, 0, 0, length)) if report else state
+    if any(d.recompute for d in ds) and any(d.mode is Mode.FORGET for d in ds):
+        raise DirectiveError(
+            "recompute in a batch with a FORGET: apply the FORGET in a batch of its own"
+        )
     ds, kept = resolve_decays(model, state, seq, ds)
     ds = validate(ds, length, vocab, tokens)
     _check_source_pages(state, seq, ds)
@@ -339,12 +374,39 @@ def apply_directives(
     plan = allocator.plan_edit(state, seq, new_tokens, cut, first, cut_new)  # OutOfPagesError
     tail = new_tokens[cut_new:]
     state = splice.run_edit(model, state, seq, plan, tokens[:cut], spliced, tail, impl=impl)
+    chosen = _recomputed(model, state, seq, spliced, recompute_rule)
+    if chosen:
+        state = paged.refill(model, state, seq, recompute.runs(chosen))
     if not report:
         return state
     reused = ds[0].start
     moved = sum(d.moved for d in spliced)
     spl = (cut - reused) - sum(d.end - d.start for d in spliced) + moved
-    return state, Applied(reused, spl, len(new_tokens) - reused - spl, len(new_tokens), moved, kept)
+    pre = len(new_tokens) - reused - spl
+    return state, Applied(reused, spl, pre, len(new_tokens), moved, kept, len(chosen))
+
+
+def _recomputed(model, state: PagedKVState, seq: int, spliced, rule: str) -> list[int]:
+    """The positions (edited coordinates, sorted) the batch's `recompute` budgets choose
+    (`leyline_jax.recompute.choose`): each directive's from the first token past its
+    replacement that the edit did not compute in place (MOVE: its first moved token) on."""
+    n, shift, wants = int(state.lengths[seq]), 0, []
+    for d in spliced:
+        first = d.start + shift + (d.sources[0].offset if d.sources else len(d.replacement))
+        shift += d.delta
+        if d.recompute and first < n:
+            wants.append((first, recompute.budget(d.recompute, n - first)))
+    if not wants:
+        return []
+    lo = min(first for first, _ in wants)
+    scores = None
+    if rule == "deviation" and any(k > recompute.BORDER for _, k in wants):
+        scores = recompute.deviation(model, state, seq, lo)
+    chosen: set[int] = set()
+    for first, k in wants:
+        part = None if scores is None else scores[first - lo :]
+        chosen.update(recompute.choose(first, n, k, part))
+    return sorted(chosen)
 
 
 def apply_directive(

@@ -184,6 +184,12 @@ class GQAAttention(nnx.Module):
         k = rope.apply_rope(k, positions, inv, 1.0, heads_axis=True)
         return q, k, v
 
+    def cached(self, x, positions):
+        """[T, H], i32[T] -> what the cache holds for these tokens: (V, K) [T, G, D] (the
+        moved band, the rotated one)."""
+        _, k, v = self.qkv(x, positions)
+        return v, k
+
     def output(self, o):
         """[T, N, D] -> [T, H]."""
         return self.o_proj(o.reshape(*o.shape[:-2], -1))

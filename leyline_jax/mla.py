@@ -208,6 +208,11 @@ class MLAAttention(nnx.Module):
         )
         return c_kv, k_pe
 
+    def cached(self, x, positions):
+        """What the cache holds for these tokens (as `latent`): (c_kv, k_pe), the moved band
+        and the rotated one (the same contract as `GQAAttention.cached`)."""
+        return self.latent(x, positions)
+
     def kv_up(self):
         """w_kb [N, Dn, R], w_vb [N, R, Dv]: the up-projections of the latent."""
         return self.k_up[...], self.v_up[...]

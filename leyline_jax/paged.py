@@ -220,6 +220,37 @@ def fill(model, state: PagedKVState, seq: int, start: int, tokens, graph=None, c
     return state
 
 
+def refill(model, state: PagedKVState, seq: int, runs, graph=None) -> PagedKVState:
+    """Run `seq`'s own tokens at each [a, b) of `runs` (sorted, disjoint) again, writing their
+    slots, each attending to the slots before it: a recompute (`leyline_jax.recompute`). Runs
+    go a row each, as many rows and tokens a step as the state's shapes take (a long run is
+    cut); a row attends to the KV the runs before it wrote, in the same step or an earlier
+    one, as a prefill of the chosen tokens would. Every page written must be the sequence's
+    alone (checked: raises ValueError before anything changes). Returns the state."""
+    ps, most = state.page_size, state.max_step_tokens
+    rows_max = _row_bucket(state, most)
+    pieces = [(a, min(a + most, b)) for a0, b in runs for a in range(a0, b, most)]
+    pages = {int(x) for a, b in pieces for x in state.page_table[seq, a // ps : (b - 1) // ps + 1]}
+    if any(state.refcount[p] != 1 for p in pages):
+        raise ValueError(f"a recompute of sequence {seq} would write a page it shares")
+    graph = Split.of(model) if graph is None else graph
+    tokens, step = state.token_ids[seq], []
+    for i, (a, b) in enumerate(pieces):
+        step.append((a, b))
+        after = pieces[i + 1] if i + 1 < len(pieces) else None
+        full = after is None or len(step) == rows_max
+        if not full and sum(y - x for x, y in step) + after[1] - after[0] > most:
+            full = True
+        if full:
+            pos = [np.arange(x, y) for x, y in step]
+            slots = [state.page_table[seq, p // ps] * ps + p % ps for p in pos]
+            blocks = [np.asarray(tokens[x:y]) for x, y in step]
+            rows = _rows(state, [seq] * len(step), blocks, [x for x, _ in step], slots)
+            state, _ = _run(model, state, rows, graph)
+            step = []
+    return state
+
+
 def precompile(model: CausalLM, state: PagedKVState, shape: tuple[int, int], graph=None):
     """Compile (and run once) the step of `shape` (tokens, rows: one of `step_shapes`) and
     return the state. The run is all padding (no row, every slot dropped): the pools come back

@@ -116,6 +116,13 @@ def test_forget_zeroes_released_pages(np_ckpt):
 def hf_amortize_reference(hf, tokens, start, end, rep, new, interleaved):
     """HF logits after `new`, with a cache = HF's own prefix+replacement KV followed by the
     original run's downstream latent whose rope band is re-rotated in float64 by Δ."""
+    cache = hf_amortize_cache(hf, tokens, start, end, rep, interleaved)
+    with torch.no_grad():
+        return hf(torch.tensor(new)[None], cache=cache, use_cache=True).logits[0, -1].numpy()
+
+
+def hf_amortize_cache(hf, tokens, start, end, rep, interleaved):
+    """The cache `hf_amortize_reference` reads: AMORTIZE's KV built in HF and float64."""
     from transformers import DynamicCache
 
     delta = len(rep) - (end - start)
@@ -140,8 +147,7 @@ def hf_amortize_reference(hf, tokens, start, end, rep, new, interleaved):
         keys = torch.cat([head.layers[i].keys, c_down], 2)
         values = torch.cat([head.layers[i].values, torch.from_numpy(rot).float()], 2)
         cache.update(keys, values, i)
-    with torch.no_grad():
-        return hf(torch.tensor(new)[None], cache=cache, use_cache=True).logits[0, -1].numpy()
+    return cache
 
 
 @pytest.mark.parametrize("name", MLA_NAMES)
@@ -166,6 +172,13 @@ def hf_gqa_amortize_reference(hf, tokens, start, end, rep, new):
     """GQA: HF logits after `new`, with a cache = HF's own prefix+replacement K/V followed by
     the original run's downstream K re-rotated per head in float64 by Δ (halves pairs, as
     `rotate_half`) and its downstream V as cached."""
+    cache = hf_gqa_amortize_cache(hf, tokens, start, end, rep)
+    with torch.no_grad():
+        return hf(torch.tensor(new)[None], cache=cache, use_cache=True).logits[0, -1].numpy()
+
+
+def hf_gqa_amortize_cache(hf, tokens, start, end, rep):
+    """The cache `hf_gqa_amortize_reference` reads."""
     from transformers import DynamicCache
 
     delta = len(rep) - (end - start)
@@ -183,8 +196,7 @@ def hf_gqa_amortize_reference(hf, tokens, start, end, rep, new):
         keys = torch.cat([head.layers[i].keys, rot.float()], 2)
         values = torch.cat([head.layers[i].values, orig.layers[i].values[:, :, end:]], 2)
         cache.update(keys, values, i)
-    with torch.no_grad():
-        return hf(torch.tensor(new)[None], cache=cache, use_cache=True).logits[0, -1].numpy()
+    return cache
 
 
 @pytest.mark.parametrize("name", GQA_NAMES)

@@ -1,0 +1,257 @@
+"""`Directive.recompute`: a budget of downstream tokens run again after a splice, on tiny
+checkpoints of every family (the three MLA families and GQA) and on SmolLM2.
+
+(a) recompute 0 (an int or a float) is AMORTIZE, bit for bit (logits and KV);
+(b) the whole downstream is FORGET: logits and every layer's KV within 1e-5 relative;
+(c) a partial budget equals an independent Hugging Face PyTorch reference that starts from
+    AMORTIZE's KV built in HF and float64 (tests/test_directives.py) and runs exactly the
+    chosen tokens again, run by run, each over the cache before it; the same reference with
+    the chosen tokens off by one at the border is told apart;
+(d) the deviation CacheBlend's rule ranks by equals the distance between layer 1's KV after
+    AMORTIZE and after FORGET (a fresh prefill's layer 1 reads the same layer 0);
+(e) the choice: the border first, then whole blocks by score, exactly the budget;
+(f) bad values refused by name before anything changes.
+fp32 params and storage; tolerance 1e-4 of max|logit| for logits as everywhere.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from conftest import DECODERS, FAMILIES, random_tokens
+from test_directives import hf_amortize_cache, hf_gqa_amortize_cache
+from test_parity import assert_logits_match, rel_err
+
+import leyline_jax as ll
+from leyline_jax import paged, recompute
+from leyline_jax.directives import DirectiveError
+
+N = 300
+NEW = [5, 6, 7]
+EDIT = (37, 120, [1, 2, 3])  # tokens 37..120 replaced by 3: 180 downstream tokens
+
+
+def state_for(model, pages=128):
+    return ll.init_state(
+        model.config, num_pages=pages, page_size=16, max_seqs=3, kv_dtype=jnp.float32
+    )
+
+
+def edited(model, tokens, directive, rule="deviation"):
+    """(state after the edit, logits after NEW, Applied, the positions run again)."""
+    seen = []
+    real = paged.refill
+
+    def spy(model, state, seq, runs, graph=None):
+        seen.extend(p for a, b in runs for p in range(a, b))
+        return real(model, state, seq, runs, graph)
+
+    state, _ = ll.prefill(model, state_for(model), 0, tokens)
+    paged.refill = spy
+    try:
+        state, done = ll.apply_directives(
+            model, state, 0, [directive], report=True, recompute_rule=rule
+        )
+    finally:
+        paged.refill = real
+    kv = kv_of(state)
+    state, logits = ll.prefill(model, state, 0, NEW)
+    return kv, np.asarray(logits), done, seen
+
+
+def kv_of(state, seq=0):
+    """Every layer's two bands at the sequence's positions: (moved, rotated) [L, n, ...]."""
+    n, ps = int(state.lengths[seq]), state.page_size
+    pos = np.arange(n)
+    pages, off = state.page_table[seq, pos // ps], pos % ps
+    return tuple(np.asarray(band)[:, pages, off] for band in (state.moved, state.rotated))
+
+
+def amortize(start, end, rep, recompute=0):
+    return ll.Directive(start, end, rep, recompute=recompute)
+
+
+# ---- (a) recompute 0 is AMORTIZE ------------------------------------------------------------
+@pytest.mark.parametrize("zero", [0, 0.0])
+def test_recompute_zero_is_amortize_bit_for_bit(zero, np_ckpt):
+    model = ll.load_model(np_ckpt("deepseek_v3"))
+    toks = random_tokens(N, seed=1).tolist()
+    kv0, got0, done0, _ = edited(model, toks, amortize(*EDIT))
+    kv1, got1, done1, seen = edited(model, toks, amortize(*EDIT, zero))
+    assert not seen and done1.recomputed == 0 and done0 == done1
+    assert np.array_equal(got0, got1)
+    assert all(np.array_equal(a, b) for a, b in zip(kv0, kv1, strict=True))
+
+
+# ---- (b) the whole downstream is FORGET -----------------------------------------------------
+@pytest.mark.parametrize("name", DECODERS)
+@pytest.mark.parametrize("whole", [1.0, 10_000])
+def test_the_whole_downstream_is_forget(name, whole, np_ckpt):
+    model = ll.load_model(np_ckpt(name))
+    toks = random_tokens(N, seed=2).tolist()
+    start, end, rep = EDIT
+    kv, got, done, seen = edited(model, toks, amortize(*EDIT, whole))
+    n = len(toks) - (end - start) + len(rep)
+    assert seen == list(range(start + len(rep), n)) and done.recomputed == n - start - len(rep)
+    forget = ll.Directive(start, end, rep, ll.Mode.FORGET)
+    kv_f, want, _, _ = edited(model, toks, forget)
+    assert rel_err(got, want) <= 1e-5
+    for a, b in zip(kv, kv_f, strict=True):
+        assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max()
+    amortized = edited(model, toks, amortize(*EDIT))[1]
+    assert rel_err(amortized, want) > 1e-3  # AMORTIZE differs here: the check can tell
+
+
+# ---- (c) a partial budget against Hugging Face ----------------------------------------------
+def hf_recomputed(hf, cache, tokens, positions, new):
+    """HF logits after `new`, `cache` (AMORTIZE's, in HF) with the KV at `positions` of the
+    edited `tokens` computed again: each contiguous run over the cache before it."""
+    from transformers import DynamicCache
+
+    for a, b in recompute.runs(sorted(positions)):
+        head = DynamicCache(config=hf.config)
+        for i, layer in enumerate(cache.layers):
+            head.update(layer.keys[:, :, :a].clone(), layer.values[:, :, :a].clone(), i)
+        with torch.no_grad():
+            out = hf(torch.tensor(tokens[a:b])[None], cache=head, use_cache=True).cache
+        for i, layer in enumerate(cache.layers):
+            layer.keys[:, :, a:b] = out.layers[i].keys[:, :, a:b]
+            layer.values[:, :, a:b] = out.layers[i].values[:, :, a:b]
+    with torch.no_grad():
+        return hf(torch.tensor(new)[None], cache=cache, use_cache=True).logits[0, -1].numpy()
+
+
+def hf_cache(name, hf, toks):
+    if name in FAMILIES:
+        return hf_amortize_cache(hf, toks, *EDIT, interleaved=name == "deepseek_v2")
+    return hf_gqa_amortize_cache(hf, toks, *EDIT)
+
+
+@pytest.mark.parametrize("name", DECODERS)
+@pytest.mark.parametrize("rule", ["deviation", "border"])
+def test_a_partial_budget_matches_hf(name, rule, hf_ckpt, hf_model):
+    path = hf_ckpt(name)
+    model, hf = ll.load_model(path), hf_model(path)
+    toks = random_tokens(N, seed=4).tolist()
+    start, end, rep = EDIT
+    edited_toks = toks[:start] + rep + toks[end:]
+    _, got, done, seen = edited(model, toks, amortize(*EDIT, 0.3), rule)
+    first, k = start + len(rep), round(0.3 * (len(edited_toks) - start - len(rep)))
+    assert len(seen) == k == done.recomputed and seen[: recompute.BORDER] == list(
+        range(first, first + recompute.BORDER)
+    )
+    if rule == "border":
+        assert seen == list(range(first, first + k))
+    else:  # the blocks the deviation of AMORTIZE's KV ranks first
+        state, _ = ll.prefill(model, state_for(model), 0, toks)
+        state = ll.apply_directive(model, state, 0, amortize(*EDIT))
+        dev = recompute.deviation(model, state, 0, first)
+        assert seen == recompute.choose(first, len(edited_toks), k, dev)
+    ref = hf_recomputed(hf, hf_cache(name, hf, toks), edited_toks, seen, NEW)
+    assert_logits_match(got, ref)
+    assert rel_err(got, hf_recomputed(hf, hf_cache(name, hf, toks), edited_toks, [], NEW)) > 1e-4
+
+
+@pytest.mark.parametrize("name", ["deepseek_v2", "llama"])
+def test_the_reference_tells_a_selection_off_by_one(name, hf_ckpt, hf_model):
+    path = hf_ckpt(name)
+    model, hf = ll.load_model(path), hf_model(path)
+    toks = random_tokens(N, seed=4).tolist()
+    start, end, rep = EDIT
+    edited_toks = toks[:start] + rep + toks[end:]
+    _, got, _, seen = edited(model, toks, amortize(*EDIT, 20), "border")
+    assert seen == list(range(start + len(rep), start + len(rep) + 20))
+    shifted = [p + 1 for p in seen]  # the border counted from the replacement's last token
+    ref = hf_recomputed(hf, hf_cache(name, hf, toks), edited_toks, shifted, NEW)
+    with pytest.raises(AssertionError):
+        assert_logits_match(got, ref)
+    assert_logits_match(got, hf_recomputed(hf, hf_cache(name, hf, toks), edited_toks, seen, NEW))
+
+
+def test_smollm2_partial_budget_matches_hf(smollm2, smollm2_hf):
+    """The trained model: 20% of the downstream by deviation against the HF reference."""
+    toks = random_tokens(N, vocab=49152, seed=6).tolist()
+    start, end, rep = EDIT
+    edited_toks = toks[:start] + rep + toks[end:]
+    _, got, _, seen = edited(smollm2, toks, amortize(*EDIT, 0.2))
+    ref = hf_recomputed(
+        smollm2_hf, hf_gqa_amortize_cache(smollm2_hf, toks, *EDIT), edited_toks, seen, NEW
+    )
+    assert_logits_match(got, ref)
+
+
+# ---- (d) the deviation ----------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["deepseek_v3", "llama"])
+def test_deviation_is_layer_ones_distance_from_forget(name, np_ckpt):
+    model = ll.load_model(np_ckpt(name))
+    toks = random_tokens(N, seed=3).tolist()
+    start, end, rep = EDIT
+    state, _ = ll.prefill(model, state_for(model), 0, toks)
+    state = ll.apply_directive(model, state, 0, amortize(*EDIT))
+    first = start + len(rep)
+    dev = recompute.deviation(model, state, 0, first)
+    spliced, fresh = kv_of(state), kv_of(_forget_state(model, toks))
+    want = sum(
+        ((x[1, first:] - y[1, first:]).reshape(len(dev), -1) ** 2).sum(-1)
+        for x, y in zip(spliced, fresh, strict=True)
+    )
+    assert dev.shape == want.shape and np.all(want > 0)
+    assert np.allclose(dev, want, rtol=1e-3, atol=1e-6 * want.max())
+    assert not np.allclose(dev[1:], want[:-1], rtol=1e-3, atol=1e-6 * want.max())  # one off
+
+
+def _forget_state(model, toks):
+    state, _ = ll.prefill(model, state_for(model), 0, toks)
+    return ll.apply_directive(model, state, 0, ll.Directive(*EDIT, ll.Mode.FORGET))
+
+
+# ---- (e) the choice -------------------------------------------------------------------------
+def test_the_border_then_whole_blocks_by_score_exactly_the_budget():
+    b, blk = recompute.BORDER, recompute.BLOCK
+    first, n = 100, 100 + b + 5 * blk
+    scores = np.zeros(n - first)
+    scores[b + 3 * blk + 2] = 5.0  # block 3 best
+    scores[b + 1 * blk] = 1.0  # then block 1
+    got = recompute.choose(first, n, b + blk + 4, scores)
+    block3 = range(first + b + 3 * blk, first + b + 4 * blk)
+    block1_part = range(first + b + blk, first + b + blk + 4)
+    assert got == sorted([*range(first, first + b), *block3, *block1_part])
+    assert recompute.choose(first, n, 10, scores) == list(range(first, first + 10))
+    assert recompute.choose(first, n, 10_000, scores) == list(range(first, n))
+    assert recompute.choose(first, n, b + 3, None) == list(range(first, first + b + 3))
+    assert recompute.budget(0.15, 1000) == 150 and recompute.budget(1.0, 7) == 7
+    assert recompute.budget(0.5, 3) == 2 and recompute.budget(40, 7) == 7
+
+
+# ---- (f) bad values -------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "bad, why",
+    [
+        (-1, "recompute must be"),
+        (1.5, "recompute as a fraction"),
+        (float("nan"), "recompute as a fraction"),
+        (True, "recompute must be"),
+        ("10", "recompute must be"),
+    ],
+)
+def test_bad_recompute_is_refused(bad, why):
+    with pytest.raises(DirectiveError, match=why):
+        ll.Directive(1, 2, [3], recompute=bad)
+
+
+def test_recompute_is_amortize_and_moves_alone(np_ckpt):
+    with pytest.raises(DirectiveError, match="recompute is AMORTIZE's and MOVE's"):
+        ll.Directive(1, 2, [3], ll.Mode.FORGET, recompute=4)
+    with pytest.raises(DirectiveError, match="recompute is AMORTIZE's"):
+        ll.Directive(1, 2, [3], ll.Mode.DECAY, budget=1, recompute=0.5)
+    model = ll.load_model(np_ckpt("llama"))
+    toks = random_tokens(60, seed=5).tolist()
+    state, _ = ll.prefill(model, state_for(model), 0, toks)
+    batch = [amortize(1, 3, [4], 0.5), ll.Directive(20, 30, [], ll.Mode.FORGET)]
+    with pytest.raises(DirectiveError, match="recompute in a batch with a FORGET"):
+        ll.apply_directives(model, state, 0, batch)
+    with pytest.raises(DirectiveError, match="recompute_rule must be one of"):
+        ll.apply_directives(model, state, 0, [amortize(1, 3, [4], 0.5)], recompute_rule="x")
+    assert ll.tokens(state, 0) == toks  # nothing changed
