@@ -43,6 +43,7 @@ import json
 import math
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -121,8 +122,10 @@ class Chat:
         return [self.start, *self.encode("assistant\n")]
 
 
-def scenario(i: int, chat: Chat):
-    """(context ids, evicted spans [(s, e)], stub ids, question ids, answer, evicted?)."""
+def scenario(i: int, chat: Chat, notes: bool = False):
+    """(context ids, evicted spans [(s, e)], stub ids, question ids, answer, evicted?).
+    `notes`: after each tool output the assistant writes a note about it (its tool, its key
+    and the fields it lists, no value), the "notes" family; the same draws otherwise."""
     rng = np.random.default_rng(i)
     ids: list[int] = []
     for role, text in (("system", SYSTEM), ("user", TASK)):
@@ -140,6 +143,10 @@ def scenario(i: int, chat: Chat):
         spans.append((len(ids) + c0, len(ids) + c1))
         records.append((tool, record, r < evicted))
         ids += m
+        if notes:
+            key, listed = record[fields[0]], ", ".join(f.replace("_", " ") for f in fields[1:])
+            note = f"Noted: the {tool} result for {key} gives the {listed}."
+            ids += chat.message("assistant", note)[0]
     stub = chat.encode(f"[evicted: {evicted} older tool output{'s' if evicted > 1 else ''}]")
     tool, record, was_evicted = records[int(rng.integers(0, evicted))]  # an evicted record
     field = str(rng.choice(list(record)[1:]))
@@ -245,88 +252,203 @@ def save(out: str | None, result: dict, markdown) -> None:
             f.write(markdown(result))
 
 
-ARMS = ("full", "forget", "amortize")
 RECALL_TOKENS = 8  # the answer's tokens read for (b): values take 2 to 6
+FRACTIONS = (0.05, 0.10, 0.15, 0.25, 0.50)  # recompute budgets, of the downstream
+BORDER_FRACTIONS = (0.25, 0.50)  # the border rule's (below 25% it equals the deviation's here)
 
 
-def run_scenario(model, state, sc, decode: int):
-    """The three arms on one scenario: returns (state, logits [3, V], continuations [3][n])."""
+def arm_names(fractions=FRACTIONS, border=BORDER_FRACTIONS) -> tuple[str, ...]:
+    """full, forget, amortize, then `recompute@F` (CacheBlend's deviation) and `border@F`."""
+    out = ("full", "forget", "amortize", *(f"recompute@{f:.0%}" for f in fractions))
+    return (*out, *(f"border@{f:.0%}" for f in border))
+
+
+def directives(arm: str, spans, stub) -> list[ll.Directive]:
+    """The edit an arm applies to the cached context, one directive per evicted span (every
+    directive of a recompute arm with the arm's fraction of its downstream)."""
+    if arm in ("forget", "amortize"):
+        return [ll.Directive(s, e, stub, ll.Mode(arm)) for s, e in spans]
+    f = float(arm.split("@")[1].rstrip("%")) / 100
+    return [ll.Directive(s, e, stub, recompute=f) for s, e in spans]
+
+
+def rule(arm: str) -> str:
+    return "border" if arm.startswith("border@") else "deviation"
+
+
+def run_scenario(model, state, sc, decode: int, arms):
+    """Every arm on one scenario, each on a fork of the cached context: (state, logits
+    [len(arms), V], continuations [len(arms)][decode], {arm: seconds of its edit})."""
     ids, spans, stub, q, _, _ = sc
     state, _ = ll.prefill(model, state, 0, ids)
-    state = ll.fork(state, 0, 1)
-    state = ll.fork(state, 0, 2)
-    for seq, mode in ((1, ll.Mode.FORGET), (2, ll.Mode.AMORTIZE)):
-        edit = [ll.Directive(s, e, stub, mode) for s, e in spans]
-        state = ll.apply_directives(model, state, seq, edit)
-    state, logits, outs = greedy(model, state, [0, 1, 2], [q, q, q], decode)
-    for seq in (0, 1, 2):
+    jax.block_until_ready(state.pools)  # the context's prefill is no edit's time
+    seqs, took = list(range(len(arms))), {}
+    for seq in seqs[1:]:
+        state = ll.fork(state, 0, seq)
+    for seq, arm in enumerate(arms[1:], start=1):
+        edit = directives(arm, spans, stub)
+        state, took[arm] = harness.clocked(
+            lambda s=state, n=seq, e=edit, r=arm: ll.apply_directives(
+                model, s, n, e, recompute_rule=rule(r)
+            )
+        )
+    state, logits, outs = greedy(model, state, seqs, [q] * len(seqs), decode)
+    for seq in seqs:
         state = ll.free(state, seq)
-    return state, logits, outs
+    return state, logits, outs, took
 
 
-def study(args, model, chat: Chat, state) -> dict:
-    """Scenarios until the command line's counts are reached: what (a)-(d) count."""
-    agree = {"agree_full": 0, "agree_forget": 0, "neither": 0}
-    recall = {a: 0 for a in ARMS}
-    kls = {"forget": [], "amortize": []}
-    cont = {"forget": [], "amortize": []}
-    cont_equal = {"forget": 0, "amortize": 0}
-    kept = attempts = recall_n = 0
-    t0 = time.perf_counter()
-    while attempts < args.max_attempts and (
-        kept < args.scenarios or recall_n < args.recall or attempts < args.continuations
-    ):
-        sc = scenario(attempts, chat)
-        answer, was_evicted = sc[4], sc[5]
-        n_cont = 32 if attempts < args.continuations else 0
-        want_recall = was_evicted and recall_n < args.recall
-        decode = max(n_cont, RECALL_TOKENS if want_recall else 1)
-        state, logits, outs = run_scenario(model, state, sc, decode)
-        attempts += 1
-        for j, arm in enumerate(ARMS[1:], start=1):
-            kls[arm].append(kl(logits[0], logits[j]))
-        full, forget, amortize = (o[0] for o in outs)
-        if full != forget and kept < args.scenarios:
-            kept += 1
-            key = follows(amortize, full, forget)
-            agree[key if key == "neither" else f"agree_{key}"] += 1
-        if want_recall:
-            recall_n += 1
-            for arm, o in zip(ARMS, outs, strict=True):
+class Counts:
+    """What (a)-(e) count, scenario by scenario, for every arm."""
+
+    def __init__(self, arms):
+        self.arms, edited = arms, arms[1:]
+        self.agree = {a: {"full": 0, "forget": 0, "neither": 0} for a in edited if a != "forget"}
+        self.hits = {a: [] for a in arms}
+        self.kl_full = {a: [] for a in edited}
+        self.kl_forget = {a: [] for a in edited if a != "forget"}
+        self.kl_forget_split = {a: [] for a in self.kl_forget}  # where full and FORGET disagree
+        self.cont = {a: [] for a in edited}
+        self.cont_forget = {a: [] for a in self.kl_forget}
+        self.seconds = {a: [] for a in edited}
+        self.kept = self.attempts = 0
+
+    def add(self, sc, logits, outs, took, agreement: bool, recall: bool, chat, n_cont: int):
+        answer, forget = sc[4], self.arms.index("forget")
+        self.attempts += 1
+        first = [o[0] for o in outs]
+        split = first[0] != first[forget]
+        for j, arm in enumerate(self.arms[1:], start=1):
+            self.kl_full[arm].append(kl(logits[0], logits[j]))
+            self.seconds[arm].append(took[arm])
+            if arm in self.kl_forget:
+                self.kl_forget[arm].append(kl(logits[forget], logits[j]))
+                if split and agreement:
+                    self.kl_forget_split[arm].append(self.kl_forget[arm][-1])
+        if split and agreement:
+            self.kept += 1
+            for arm, c in self.agree.items():
+                c[follows(first[self.arms.index(arm)], first[0], first[forget])] += 1
+        if recall:
+            for arm, o in zip(self.arms, outs, strict=True):
                 text = chat.tok.decode(o[:RECALL_TOKENS])
-                recall[arm] += answer.lower() in text.lower()
+                self.hits[arm].append(answer.lower() in text.lower())
         if n_cont:
-            for j, arm in enumerate(ARMS[1:], start=1):
-                same = [a == b for a, b in zip(outs[0][:32], outs[j][:32], strict=True)]
-                cont[arm].append(float(np.mean(same)))
-                cont_equal[arm] += all(same)
-        progress(attempts, kept, recall_n, t0)
-    return dict(
-        agree=agree, recall=recall, recall_n=recall_n, kls=kls, cont=cont, cont_equal=cont_equal,
-        kept=kept, attempts=attempts, seconds=time.perf_counter() - t0,
-    )  # fmt: skip
+            for j, arm in enumerate(self.arms[1:], start=1):
+                self.cont[arm].append([a == b for a, b in zip(outs[0], outs[j], strict=True)])
+                if arm in self.cont_forget:
+                    same = [a == b for a, b in zip(outs[forget], outs[j], strict=True)]
+                    self.cont_forget[arm].append(same)
 
+    def result(self, path: str, family: str, seconds: float) -> dict:
+        kept = self.kept
 
-def results(path: str, c: dict) -> dict:
-    """The JSON of a study (`study`'s counts)."""
-    kept, agree, recall, recall_n = c["kept"], c["agree"], c["recall"], c["recall_n"]
-    followed = {k.removeprefix("agree_"): v for k, v in agree.items()}
-    return {
-        "model": path,
-        "attempts": c["attempts"],
-        "seconds": round(c["seconds"], 1),
-        "agreement": {"scenarios": kept, **agree, **rates(followed, kept)},
-        "recall": {"questions": recall_n, **rates(recall, recall_n)},
-        "kl_from_full": {arm: {"scenarios": len(v), **spread(v)} for arm, v in c["kls"].items()},
-        "continuations": {
-            arm: {
+        def cont(v):
+            return {
                 "scenarios": len(v),
                 "token_agreement": float(np.mean(v)) if v else None,
-                "identical": c["cont_equal"][arm],
+                "identical": int(sum(all(x) for x in v)),
             }
-            for arm, v in c["cont"].items()
-        },
-    }
+
+        recall_n = len(self.hits["full"])
+
+        def spreads(d):
+            return {a: {"scenarios": len(v), **(spread(v) if v else {})} for a, v in d.items()}
+
+        agree = {a: c | rates(c, kept) for a, c in self.agree.items()}
+        return {
+            "model": path,
+            "family": family,
+            "attempts": self.attempts,
+            "seconds": round(seconds, 1),
+            "agreement": {"scenarios": kept, **agree},
+            "recall": {
+                "questions": recall_n,
+                **{a: {"hits": int(sum(h))} | rates({"hit": int(sum(h))}, recall_n)
+                   for a, h in self.hits.items()},
+            },
+            "kl_from_full": spreads(self.kl_full),
+            "kl_from_forget": spreads(self.kl_forget),
+            "kl_from_forget_where_split": spreads(self.kl_forget_split),
+            "continuations_vs_full": {a: cont(v) for a, v in self.cont.items()},
+            "continuations_vs_forget": {a: cont(v) for a, v in self.cont_forget.items()},
+            "edit_seconds": {a: {"n": len(v), **spread(v)} for a, v in self.seconds.items()},
+        }  # fmt: skip
+
+
+def study(args, model, chat: Chat, state, arms) -> dict:
+    """Scenarios until the command line's counts are reached (a warm-up scenario first, not
+    counted, so most compiles are outside the edits' times)."""
+    notes = args.family == "notes"
+    state, *_ = run_scenario(model, state, scenario(10**6, chat, notes), RECALL_TOKENS, arms)
+    n, t0 = Counts(arms), time.perf_counter()
+    while n.attempts < args.max_attempts and (
+        n.kept < args.scenarios
+        or len(n.hits["full"]) < args.recall
+        or n.attempts < args.continuations
+    ):
+        sc = scenario(n.attempts, chat, notes)
+        n_cont = 32 if n.attempts < args.continuations else 0
+        want_recall = sc[5] and len(n.hits["full"]) < args.recall
+        decode = max(n_cont, RECALL_TOKENS if want_recall else 1)
+        state, logits, outs, took = run_scenario(model, state, sc, decode, arms)
+        n.add(sc, logits, outs, took, n.kept < args.scenarios, want_recall, chat, n_cont)
+        progress(n.attempts, n.kept, len(n.hits["full"]), t0)
+    return n.result("", args.family, time.perf_counter() - t0)
+
+
+# ---- (f) the edit's time beside FORGET's at long downstreams -------------------------------
+def long_context(chat: Chat, downstream: int, seed: int = 0):
+    """(context ids, the first tool output's span): the scenario procedure's rounds, as many
+    as make at least `downstream` tokens after that span."""
+    rng = np.random.default_rng(seed)
+    ids: list[int] = []
+    for role, text in (("system", SYSTEM), ("user", TASK)):
+        ids += chat.message(role, text)[0]
+    span = None
+    while span is None or len(ids) - span[1] < downstream:
+        tool = str(rng.choice(list(TOOLS)))
+        record = {f: _value(f, rng) for f in TOOLS[tool]}
+        ids += chat.message(
+            "assistant", f'Calling {tool}({{"query": "{record[TOOLS[tool][0]]}"}}).'
+        )[0]
+        m, c0, c1 = chat.message("tool", json.dumps(record))
+        span = span or (len(ids) + c0, len(ids) + c1)
+        ids += m
+    return ids, span
+
+
+def timing(model, chat: Chat, sizes, arms, repeats: int, max_seq_len: int) -> dict:
+    """Each edited arm's `apply_directives` time (median of `repeats`, after one not counted)
+    on a fork of a context whose first tool output is evicted with `sizes` tokens after it."""
+    out = {}
+    for size in sizes:
+        ids, (s, e) = long_context(chat, size)
+        ids = ids[: max_seq_len - 8]
+        pages = 3 * (len(ids) // 16 + 2)
+        state = ll.init_state(
+            model.config, num_pages=pages, page_size=16, max_seqs=2, kv_dtype=jnp.float32,
+            max_seq_len=max_seq_len,
+        )  # fmt: skip
+        state, _ = ll.prefill(model, state, 0, ids)
+        stub = chat.encode("[evicted: 1 older tool output]")
+        row = {"downstream": len(ids) - e, "context": len(ids)}
+        for arm in arms[1:]:
+            times = []
+            for r in range(repeats + 1):
+                state = ll.fork(state, 0, 1)
+                edit = directives(arm, [(s, e)], stub)
+                state, dt = harness.clocked(
+                    lambda st=state, ed=edit, a=arm: ll.apply_directives(
+                        model, st, 1, ed, recompute_rule=rule(a)
+                    )
+                )
+                state = ll.free(state, 1)
+                times += [dt] if r else []
+            row[arm] = float(np.median(times))
+            print(f"{size}: {arm} {row[arm]:.3f} s", flush=True)
+        out[str(size)] = row
+    return out
 
 
 def main(argv=None) -> dict:
@@ -335,35 +457,98 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-attempts", type=int, default=1200)
     ap.add_argument("--recall", type=int, default=100, help="evicted-fact questions answered")
     ap.add_argument("--continuations", type=int, default=40, help="32-token continuations")
-    args, path, model, chat, state = setup(ap, argv, max_seqs=3, num_pages=256)
-    res = results(path, study(args, model, chat, state))
+    ap.add_argument("--family", default="plain", choices=["plain", "notes"])
+    ap.add_argument("--timing", default="", help="downstream sizes to time edits at: 1024,4096")
+    ap.add_argument("--repeats", type=int, default=3, help="timed edits an arm and size")
+    arms = arm_names()
+    args, path, model, chat, state = setup(ap, argv, max_seqs=len(arms), num_pages=768)
+    res = {"model": path}
+    if args.scenarios or args.recall or args.continuations:
+        res = study(args, model, chat, state, arms) | {"model": path}
+    if args.timing:
+        del state
+        sizes = [int(x) for x in args.timing.split(",")]
+        length = model.config.max_position_embeddings
+        res["timing"] = timing(model, chat, sizes, arms, args.repeats, length)
     print(json.dumps(res, indent=2))
     save(args.out, res, markdown)
     return res
 
 
 def markdown(r: dict) -> str:
-    a, rc, k, c = r["agreement"], r["recall"], r["kl_from_full"], r["continuations"]
-    agree = [pct_ci(a[f"rate_{x}"], a[f"ci_{x}"]) for x in ("full", "forget", "neither")]
-    recall = [pct_ci(rc[f"rate_{x}"], rc[f"ci_{x}"]) for x in ("full", "amortize", "forget")]
-    kls = [[arm, *(f"{v[s]:.3f}" for s in ("median", "mean", "p90"))] for arm, v in k.items()]
-    conts = [[arm, f"{v['token_agreement']:.0%}", str(v["identical"])] for arm, v in c.items()]
+    lines = [f"Model `{r['model'].split('/')[-1]}`."]
+    if "agreement" in r:
+        lines += study_markdown(r)
+    if "timing" in r:
+        lines += timing_markdown(r["timing"])
+    return "\n".join([*lines, ""])
+
+
+def study_markdown(r: dict) -> list[str]:
+    a, rc = r["agreement"], r["recall"]
+
+    def count(c, key):
+        return f"{pct_ci(c[f'rate_{key}'], c[f'ci_{key}'])} ({c[key]})"
+
+    agree = [[arm, *(count(c, x) for x in ("forget", "full", "neither"))]
+             for arm, c in a.items() if arm != "scenarios"]  # fmt: skip
+    recall = [[arm, f"{pct_ci(v['rate_hit'], v['ci_hit'])} ({v['hits']})"]
+              for arm, v in rc.items() if arm != "questions"]  # fmt: skip
+    kls = []
+    for arm, v in r["kl_from_full"].items():
+        f = r["kl_from_forget"].get(arm)
+        fs = r["kl_from_forget_where_split"].get(arm)
+        kls.append([arm, f"{v['median']:.3f}", f"{v['mean']:.3f}",
+                    f"{f['median']:.3f}" if f else "0", f"{f['mean']:.3f}" if f else "0",
+                    f"{fs['median']:.3f}" if fs and fs["scenarios"] else "—"])  # fmt: skip
+    conts = []
+    for arm, v in r["continuations_vs_full"].items():
+        f = r["continuations_vs_forget"].get(arm)
+        conts.append([arm, f"{v['token_agreement']:.0%}", str(v["identical"]),
+                      f"{f['token_agreement']:.0%}" if f else "100%"])  # fmt: skip
+    sec = [[arm, f"{v['median'] * 1e3:.1f} ms", f"{v['p90'] * 1e3:.1f} ms"]
+           for arm, v in r["edit_seconds"].items()]  # fmt: skip
+    head = f"Family `{r['family']}`, {r['attempts']} scenarios tried, {r['seconds']} s."
     caption_a = f"(a) first token where full and FORGET disagree ({a['scenarios']} scenarios):"
     caption_b = f"(b) evicted-fact recall ({rc['questions']} questions; answer in {RECALL_TOKENS} "
     caption_b += "greedy tokens):"
-    caption_c = "(c) KL(full || arm) of the next-token distribution, nats "
-    caption_c += f"({k['amortize']['scenarios']} scenarios):"
-    caption_d = f"(d) 32-token greedy continuations ({c['amortize']['scenarios']} scenarios):"
-    header_d = ["arm", "tokens equal to full's", "continuations identical"]
-    lines = [
-        f"Model `{r['model'].split('/')[-1]}`, {r['attempts']} scenarios tried, {r['seconds']} s.",
-        *section(caption_a, ["AMORTIZE = full", "AMORTIZE = FORGET", "neither"], [agree], "lll"),
-        *section(caption_b, ["full", "AMORTIZE", "FORGET"], [recall], "lll"),
-        *section(caption_c, ["arm", "median", "mean", "p90"], kls, "llll"),
-        *section(caption_d, header_d, conts, "lll"),
-        "",
+    caption_c = "(c) KL of the next-token distribution, nats, over every scenario tried "
+    caption_c += "(and from FORGET where full and FORGET disagree):"
+    caption_d = "(d) 32-token greedy continuations, positions equal:"
+    caption_e = "(e) the edit's wall time (this context's short downstream):"
+    return [
+        head,
+        *section(caption_a, ["arm", "= FORGET", "= full", "neither"], agree, "llll"),
+        *section(caption_b, ["arm", "recall"], recall, "ll"),
+        *section(
+            caption_c,
+            [
+                "arm",
+                "KL(full‖arm) median",
+                "mean",
+                "KL(FORGET‖arm) median",
+                "mean",
+                "median where split",
+            ],
+            kls,
+            "llllll",
+        ),  # fmt: skip
+        *section(
+            caption_d, ["arm", "to full's", "identical to full's", "to FORGET's"], conts, "llll"
+        ),  # fmt: skip
+        *section(caption_e, ["arm", "median", "p90"], sec, "lll"),
     ]
-    return "\n".join(lines)
+
+
+def timing_markdown(t: dict) -> list[str]:
+    sizes = list(t)
+    arms = [k for k in t[sizes[0]] if k not in ("downstream", "context")]
+    head = ["arm", *(f"{t[s]['downstream']} downstream" for s in sizes)]
+    forget = {s: t[s]["forget"] for s in sizes}
+    rows = [[arm, *(f"{t[s][arm]:.3f} s ({t[s][arm] / forget[s]:.0%})" for s in sizes)]
+            for arm in arms]  # fmt: skip
+    caption = "(f) the edit's wall time (median), and as a share of FORGET's:"
+    return section(caption, head, rows, "l" * len(head))
 
 
 if __name__ == "__main__":

@@ -374,7 +374,7 @@ def apply_directives(
     plan = allocator.plan_edit(state, seq, new_tokens, cut, first, cut_new)  # OutOfPagesError
     tail = new_tokens[cut_new:]
     state = splice.run_edit(model, state, seq, plan, tokens[:cut], spliced, tail, impl=impl)
-    chosen = _recomputed(model, state, seq, spliced, recompute_rule)
+    state, chosen = _recomputed(model, state, seq, spliced, recompute_rule)
     if chosen:
         state = paged.refill(model, state, seq, recompute.runs(chosen))
     if not report:
@@ -386,8 +386,8 @@ def apply_directives(
     return state, Applied(reused, spl, pre, len(new_tokens), moved, kept, len(chosen))
 
 
-def _recomputed(model, state: PagedKVState, seq: int, spliced, rule: str) -> list[int]:
-    """The positions (edited coordinates, sorted) the batch's `recompute` budgets choose
+def _recomputed(model, state: PagedKVState, seq: int, spliced, rule: str):
+    """(state, the positions, edited coordinates, sorted) the batch's `recompute` budgets choose
     (`leyline_jax.recompute.choose`): each directive's from the first token past its
     replacement that the edit did not compute in place (MOVE: its first moved token) on."""
     n, shift, wants = int(state.lengths[seq]), 0, []
@@ -397,16 +397,16 @@ def _recomputed(model, state: PagedKVState, seq: int, spliced, rule: str) -> lis
         if d.recompute and first < n:
             wants.append((first, recompute.budget(d.recompute, n - first)))
     if not wants:
-        return []
+        return state, []
     lo = min(first for first, _ in wants)
     scores = None
     if rule == "deviation" and any(k > recompute.BORDER for _, k in wants):
-        scores = recompute.deviation(model, state, seq, lo)
+        state, scores = recompute.deviation(model, state, seq, lo)
     chosen: set[int] = set()
     for first, k in wants:
         part = None if scores is None else scores[first - lo :]
         chosen.update(recompute.choose(first, n, k, part))
-    return sorted(chosen)
+    return state, sorted(chosen)
 
 
 def apply_directive(

@@ -251,6 +251,32 @@ def refill(model, state: PagedKVState, seq: int, runs, graph=None) -> PagedKVSta
     return state
 
 
+def first_layer(model, state: PagedKVState, seq: int, start: int, stop: int, graph=None):
+    """Layer 0 of `seq`'s own tokens [start, stop) run again (at most `max_step_tokens`), each
+    attending to the slots up to its own, with nothing written (every slot dropped): the
+    ragged step's embedding and layer 0 alone. Returns (state, h [T, H] after layer 0, the
+    tokens' positions i32[T], their slots i32[T]); T is the step's bucket, rows past
+    stop - start are padding (their positions repeat `start`). Checked by the caller."""
+    ps, p = state.page_size, state.num_pages
+    pos = np.arange(start, stop)
+    rows = _rows(
+        state, [seq], [state.token_ids[seq][start:stop]], [start], [np.full(len(pos), p * ps)]
+    )
+    t = len(rows.tokens)
+    positions = np.full(t, start, np.int32)
+    positions[: len(pos)] = pos
+    slots = state.page_table[seq, positions // ps] * ps + positions % ps
+    graph = Split.of(model) if graph is None else graph
+    device = {k: jnp.asarray(v) for k, v in dataclasses.asdict(rows).items()}
+    meta = tuple(device[k] for k in ("kv_lens", "page_indices", "cu_q_lens", "num_rows"))
+    args = (device[k] for k in ("cow_src", "cow_dst", "positions", "slots"))
+    h = graph.embed(device["tokens"])
+    h, one = layer_step(*graph.layers[0], state.pools.layer(0), h, *args, meta)
+    pools = state.pools
+    moved, rotated = (one.moved[0], *pools.moved[1:]), (one.rotated[0], *pools.rotated[1:])
+    return state.replace(pools=pools.with_bands(moved, rotated)), h, positions, slots
+
+
 def precompile(model: CausalLM, state: PagedKVState, shape: tuple[int, int], graph=None):
     """Compile (and run once) the step of `shape` (tokens, rows: one of `step_shapes`) and
     return the state. The run is all padding (no row, every slot dropped): the pools come back

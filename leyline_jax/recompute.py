@@ -17,9 +17,10 @@ Which tokens (`choose`):
 
 The deviation is measured at layer 1 (layer 0's KV depends on the token and its position only,
 so a splice leaves it as a fresh prefill would): the candidates run through layer 0 attending
-to the sequence's KV (`attn.probe`, nothing written), and the distance between layer 1's KV of
-that hidden state and the cached one (both bands, squared, summed over heads) is each token's
-score. Its cost: one layer over the candidates, against the model's every layer for FORGET.
+to the sequence's KV (the ragged step's layer 0, nothing written), and the distance between
+layer 1's KV of that hidden state and the cached one (both bands, squared, summed over heads)
+is each token's score. Its cost: one layer over the candidates, against the model's every
+layer for FORGET.
 
 The unit the rule picks is a block of `BLOCK` tokens (scored by its tokens' sum), not a token:
 the ragged step runs a contiguous run of a row's positions, and a step carries few rows
@@ -35,15 +36,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from leyline_jax import paged
 from leyline_jax.kv_pools import gather_slots
-from leyline_jax.kv_state import PagedKVState, bucket
+from leyline_jax.kv_state import PagedKVState
 from leyline_jax.model import CausalLM, Split, merge
 
 BORDER = 32  # tokens past the replacement always recomputed first (EPIC's border)
 BLOCK = 16  # the unit a rule picks past the border
 RULES = ("deviation", "border")
-PROBE = 256  # candidates a deviation probe runs at once (its scores: PROBE x slots per head)
-MIN_CTX_BUCKET = 16
 
 
 def budget(recompute: int | float, downstream: int) -> int:
@@ -80,17 +80,6 @@ def choose(first: int, length: int, k: int, scores: np.ndarray | None) -> list[i
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _first_layer(graph, params, pools, h, positions, ctx_slots, ctx_len):
-    """h after layer 0 for tokens at `positions`, each attending to the sequence's slots
-    `ctx_slots` up to its own position (slot s holds position s; `ctx_len` on: padding)."""
-    layer = merge(graph, params)
-    s = jnp.arange(ctx_slots.shape[0])
-    mask = (s[None, :] <= positions[:, None]) & (s[None, :] < ctx_len)
-    out, _ = layer.attn.probe(layer.input_norm(h), positions, pools, 0, ctx_slots, mask)
-    return layer.feed_forward(h + out)
-
-
-@functools.partial(jax.jit, static_argnums=0)
 def _kv_distance(graph, params, pools, h, positions, slots):
     """f32[T]: the squared distance between layer 1's KV of `h` (`attn.cached`) and the KV
     cached at `slots`, both bands, summed over heads."""
@@ -105,30 +94,21 @@ def _kv_distance(graph, params, pools, h, positions, slots):
 
 
 def deviation(model: CausalLM, state: PagedKVState, seq: int, first: int, graph=None):
-    """f64[length - first]: CacheBlend's deviation of each of `seq`'s tokens from `first` on
-    (see the module docstring), from the KV the sequence holds now."""
-    n, ps = int(state.lengths[seq]), state.page_size
+    """(state, f64[length - first]): CacheBlend's deviation of each of `seq`'s tokens from
+    `first` on (see the module docstring), from the KV the sequence holds now. Layer 0 runs
+    as the ragged step's, writing nothing (`paged.first_layer`), a step's worth at a time."""
+    n = int(state.lengths[seq])
     graph = Split.of(model) if graph is None else graph
     if len(graph.layers) < 2:
-        return np.zeros(n - first)  # one layer: no layer's input depends on the context
-    sb = bucket(n, MIN_CTX_BUCKET)
-    pos = np.arange(n)
-    ctx = np.zeros(sb, np.int32)
-    ctx[:n] = state.page_table[seq, pos // ps] * ps + pos % ps
-    tokens = state.token_ids[seq]
+        return state, np.zeros(n - first)  # one layer: no layer's input depends on the context
     out = []
-    for a in range(first, n, PROBE):
-        m = min(PROBE, n - a)
-        tb = bucket(m)
-        positions = np.full(tb, a, np.int32)  # padding repeats the first: dropped below
-        positions[:m] = np.arange(a, a + m)
-        toks = np.asarray(tokens[positions], np.int32)
-        h = graph.embed(toks)
-        h = _first_layer(*graph.layers[0], state.pools.layer(0), h, positions, ctx, np.int32(n))
-        d = _kv_distance(*graph.layers[1], state.pools.layer(1), h, positions, ctx[positions])
+    for a in range(first, n, state.max_step_tokens):
+        b = min(a + state.max_step_tokens, n)
+        state, h, positions, slots = paged.first_layer(model, state, seq, a, b, graph)
+        d = _kv_distance(*graph.layers[1], state.pools.layer(1), h, positions, slots)
         with jax.transfer_guard_device_to_host("allow"):  # the read this function is for
-            out.append(np.asarray(d, np.float64)[:m])
-    return np.concatenate(out) if out else np.zeros(0)
+            out.append(np.asarray(d, np.float64)[: b - a])
+    return state, np.concatenate(out) if out else np.zeros(0)
 
 
 def runs(positions) -> list[tuple[int, int]]:

@@ -147,7 +147,7 @@ def test_a_partial_budget_matches_hf(name, rule, hf_ckpt, hf_model):
     else:  # the blocks the deviation of AMORTIZE's KV ranks first
         state, _ = ll.prefill(model, state_for(model), 0, toks)
         state = ll.apply_directive(model, state, 0, amortize(*EDIT))
-        dev = recompute.deviation(model, state, 0, first)
+        state, dev = recompute.deviation(model, state, 0, first)
         assert seen == recompute.choose(first, len(edited_toks), k, dev)
     ref = hf_recomputed(hf, hf_cache(name, hf, toks), edited_toks, seen, NEW)
     assert_logits_match(got, ref)
@@ -191,7 +191,7 @@ def test_deviation_is_layer_ones_distance_from_forget(name, np_ckpt):
     state, _ = ll.prefill(model, state_for(model), 0, toks)
     state = ll.apply_directive(model, state, 0, amortize(*EDIT))
     first = start + len(rep)
-    dev = recompute.deviation(model, state, 0, first)
+    state, dev = recompute.deviation(model, state, 0, first)
     spliced, fresh = kv_of(state), kv_of(_forget_state(model, toks))
     want = sum(
         ((x[1, first:] - y[1, first:]).reshape(len(dev), -1) ** 2).sum(-1)
