@@ -138,18 +138,7 @@ class Directive:
             covered = x.offset + x.length
 
     def _check_recompute(self) -> None:
-        r = self.recompute
-        if isinstance(r, float):
-            if not 0.0 <= r <= 1.0:  # NaN fails too
-                raise DirectiveError(f"recompute as a fraction must be in [0, 1], got {r!r}")
-            object.__setattr__(self, "recompute", float(r))
-        elif is_int(r) and r >= 0:
-            object.__setattr__(self, "recompute", int(r))
-        else:
-            raise DirectiveError(
-                "recompute must be a token count (an int >= 0) or a fraction of the downstream "
-                f"(a float in [0, 1]), got {r!r}"
-            )
+        object.__setattr__(self, "recompute", check_recompute(self.recompute))
         if self.recompute and self.mode not in SPLICED:
             raise DirectiveError(
                 f"recompute is AMORTIZE's and MOVE's; a {self.mode.name} directive has none"
@@ -168,6 +157,31 @@ class Directive:
     def moved(self) -> int:
         """Tokens of the replacement whose KV is moved (MOVE), not prefilled."""
         return sum(x.length for x in self.sources)
+
+
+def check_recompute(r) -> int | float:
+    """A `recompute` budget as given (a token count, an int >= 0, or a fraction of the
+    downstream, a float in [0, 1]), as a plain int or float; DirectiveError otherwise."""
+    if isinstance(r, float):
+        if not 0.0 <= r <= 1.0:  # NaN fails too
+            raise DirectiveError(f"recompute as a fraction must be in [0, 1], got {r!r}")
+        return float(r)
+    if is_int(r) and r >= 0:
+        return int(r)
+    raise DirectiveError(
+        "recompute must be a token count (an int >= 0) or a fraction of the downstream "
+        f"(a float in [0, 1]), got {r!r}"
+    )
+
+
+def with_recompute(directives, recompute: int | float) -> list[Directive]:
+    """`directives` with every AMORTIZE and MOVE that names no budget given `recompute`."""
+    out = []
+    for d in directives:
+        if recompute and d.mode in SPLICED and not d.recompute:
+            d = dataclasses.replace(d, recompute=recompute)
+        out.append(d)
+    return out
 
 
 def apply_to_list(tokens: Sequence[int], directives: Sequence[Directive]) -> list[int]:

@@ -336,13 +336,14 @@ def log_softmax(logits) -> np.ndarray:
     return np.asarray(jax.nn.log_softmax(jnp.asarray(logits, jnp.float32)))
 
 
-def reference(model, s: Served) -> tuple[np.ndarray, np.ndarray]:
-    """(the library's AMORTIZE of the served directives over the session's KV, then the rest
-    of the prompt; a fresh prefill of the edited prompt): next-token log-probabilities."""
+def reference(model, s: Served, recompute=0) -> tuple[np.ndarray, np.ndarray]:
+    """(the library's AMORTIZE of the served directives over the session's KV, each with the
+    `recompute` budget, then the rest of the prompt; a fresh prefill of the edited prompt):
+    next-token log-probabilities."""
     state = ll.init_state(model.config, num_pages=96, page_size=16, max_seqs=2,
                           kv_dtype=jnp.float32)  # fmt: skip
     state, _ = ll.prefill(model, state, 0, s.old[:-1])
-    ds = [dataclasses.replace(d, mode=Mode.AMORTIZE) for d in s.directives]
+    ds = [dataclasses.replace(d, mode=Mode.AMORTIZE, recompute=recompute) for d in s.directives]
     state = ll.apply_directives(model, state, 0, ds)
     have = len(apply_to_list(s.old[:-1], ds))
     assert s.final[:have] == ll.tokens(state, 0)
@@ -387,6 +388,35 @@ def test_cleared_results_are_spliced_and_equal_the_library(server, http, model, 
     # the control: AMORTIZE keeps the cleared results' influence downstream, FORGET does not
     assert gap(amortize.logprobs, ref_fresh) > 50 * TOL
     assert gap(forget.logprobs, ref_amortize) > 50 * TOL
+
+
+def test_a_recompute_budget_equals_the_library(server, http, model, logged):
+    """`leyline.recompute` (and the server's `--recompute` when a request names none): the
+    clears' splices recompute that fraction of their downstream, the next-token
+    log-probabilities equal the library's AMORTIZE with the same budget, and differ from the
+    plain splice's (the control)."""
+    tok = server.backend.tokenizer
+    asked = two_turns(http, logged, "edits-recompute", {"recompute": 0.4})
+    splice_holds(asked, tok, Mode.AMORTIZE)
+    ref, _ = reference(model, asked, 0.4)
+    assert gap(asked.logprobs, ref) < TOL and asked.usage["recomputed_tokens"] > 0
+    assert gap(asked.logprobs, reference(model, asked)[0]) > 50 * TOL
+    scheduler = server.backend.worker.engine.scheduler
+    config = scheduler.config
+    scheduler.config = dataclasses.replace(config, recompute=0.4)  # what --recompute 0.4 sets
+    try:
+        default = two_turns(http, logged, "edits-recompute-default")
+    finally:
+        scheduler.config = config
+    assert gap(default.logprobs, ref) < TOL
+    assert default.usage["recomputed_tokens"] == asked.usage["recomputed_tokens"]
+    bad = body(history(ROUNDS), max_tokens=1, leyline={"recompute": 1.5})
+    r = http.post("/v1/messages", json=bad)
+    assert r.status_code == 400 and "leyline.recompute" in r.json()["error"]["message"], r.text
+    assert parser().parse_args(["--recompute", "0.4"]).recompute == 0.4
+    assert parser().parse_args(["--recompute", "600"]).recompute == 600
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--recompute", "1.5"])
 
 
 def test_the_server_default_is_a_flag():

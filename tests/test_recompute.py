@@ -255,3 +255,75 @@ def test_recompute_is_amortize_and_moves_alone(np_ckpt):
     with pytest.raises(DirectiveError, match="recompute_rule must be one of"):
         ll.apply_directives(model, state, 0, [amortize(1, 3, [4], 0.5)], recompute_rule="x")
     assert ll.tokens(state, 0) == toks  # nothing changed
+
+
+# ---- (g) the engine and HTTP ----------------------------------------------------------------
+def engine_turns(model, recompute=None, mode=ll.Mode.AMORTIZE, default=0):
+    """A session's two turns on an engine: 120 tokens, then the same history with tokens
+    20..60 replaced by 3 and 4 new ones (`submit_prompt`: the edit is found by the diff).
+    `default`: the engine's `recompute`. Returns (the history the session held before the
+    edit, the second prompt, the second turn's first token's (log-probability, top 5), its
+    stats)."""
+    from serve.engine import Engine
+    from serve.sampling import SamplingParams
+
+    engine = Engine(
+        model, num_pages=64, page_size=16, max_seqs=4, kv_dtype=jnp.float32, recompute=default
+    )
+    s = engine.open_session()
+    first = random_tokens(120, seed=8).tolist()
+    out = engine.submit(s, first, sampling=SamplingParams(3)).result()
+    history = first + out
+    prompt = history[:20] + [1, 2, 3] + history[60:] + [4, 5, 6, 7]
+    r = engine.submit_prompt(
+        s, prompt, mode=mode, sampling=SamplingParams(1, logprobs=5), recompute=recompute
+    )
+    r.result()
+    return history, prompt, r.logprobs[0], r.stats
+
+
+def library_top(model, history, prompt, recompute):
+    """The library's answer to `engine_turns`' second turn: the cached history (its last
+    output fed with the new tokens), the edit with `recompute`, then the rest: top-5 logprobs."""
+    state, _ = ll.prefill(model, state_for(model), 0, history[:-1])
+    state = ll.apply_directive(model, state, 0, amortize(20, 60, [1, 2, 3], recompute))
+    rest = prompt[len(ll.tokens(state, 0)) :]
+    _, logits = ll.prefill(model, state, 0, rest)
+    lp = np.asarray(jax_log_softmax(np.asarray(logits, np.float64)))
+    top = np.argsort(-lp, kind="stable")[:5]
+    return [(int(t), float(lp[t])) for t in top]
+
+
+def jax_log_softmax(x):
+    x = x - x.max()
+    return x - np.log(np.exp(x).sum())
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "llama"])
+def test_an_engine_turn_recomputes_as_the_library(name, np_ckpt):
+    model = ll.load_model(np_ckpt(name))
+    history, prompt, (_, top), st = engine_turns(model, recompute=0.3)
+    cached = len(history) - 1 - (60 - 20) + 3  # the edited history the KV holds
+    assert st.recomputed_tokens == round(0.3 * (cached - 23)) > 0
+    want = library_top(model, history, prompt, 0.3)
+    assert [t for t, _ in top] == [t for t, _ in want]
+    assert np.allclose([v for _, v in top], [v for _, v in want], atol=1e-4)
+    plain = library_top(model, history, prompt, 0)
+    assert not np.allclose([v for _, v in want], [v for _, v in plain], atol=1e-4)
+
+
+def test_the_engine_default_and_the_whole_downstream(np_ckpt):
+    model = ll.load_model(np_ckpt("llama"))
+    _, _, by_turn, st = engine_turns(model, recompute=0.3)
+    _, _, by_default, st_d = engine_turns(model, default=0.3)
+    assert by_turn == by_default and st.recomputed_tokens == st_d.recomputed_tokens
+    _, _, (_, whole), _ = engine_turns(model, recompute=1.0)
+    _, _, (_, forget), _ = engine_turns(model, mode=ll.Mode.FORGET)
+    assert [t for t, _ in whole] == [t for t, _ in forget]
+    assert np.allclose([v for _, v in whole], [v for _, v in forget], atol=1e-5)
+    with pytest.raises(DirectiveError, match="recompute as a fraction"):
+        engine_turns(model, recompute=2.0)
+    with pytest.raises(ValueError, match="recompute="):
+        from serve.engine import EngineConfig
+
+        EngineConfig(recompute=-1)

@@ -222,7 +222,7 @@ class Engine:
     @lockstep("own")
     def submit(
         self, session: int, tokens: Sequence[int], *, directives=(), sampling=None,
-        scratch=(), scratch_tags=None, move: bool | None = None,
+        scratch=(), scratch_tags=None, move: bool | None = None, recompute=None,
     ) -> Request:  # fmt: skip
         """Queue a turn: apply `directives` (an atomic batch in the session's coordinates when
         the turn runs, each in its own mode; a DECAY is resolved then, from the session's KV,
@@ -237,16 +237,19 @@ class Engine:
         deletions) when the turn finishes, so its next prompt, re-sent without them, is an
         extension of what the session holds. MOVE: `move` (default: the engine's) copies runs
         of at least a page of the tokens the turn would prefill from where the session, or
-        the clean radix cache of its lineage, holds them (`planner.move_plan`)."""
+        the clean radix cache of its lineage, holds them (`planner.move_plan`). `recompute`
+        (default: the engine's `EngineConfig.recompute`): the budget every AMORTIZE and MOVE
+        splice of the turn that names none recomputes (`Directive.recompute`)."""
         vocab = self.model.config.vocab_size
         req = intake.turn(self, self.table.get(session), tokens, directives, sampling, vocab)
-        intake.options(req, scratch, scratch_tags, move, None, vocab)
+        intake.options(req, scratch, scratch_tags, move, None, vocab, recompute)
         return self.table.enqueue(req)
 
     @lockstep("own")
     def submit_prompt(
         self, session: int, prompt: Sequence[int], *, mode: Mode = Mode.AMORTIZE,
         sampling=None, directives=(), scratch=(), scratch_tags=None, move: bool | None = None,
+        recompute=None,
     ) -> Request:  # fmt: skip
         """Queue a turn given as the whole prompt (what an unmodified harness sends): when it
         runs, the difference from the session's tokens becomes directives in `mode` plus the
@@ -256,11 +259,11 @@ class Engine:
         its own mode (`serve.edits.compose`). Checked now like `submit`; `mode` must be a
         `Mode` (ValueError); the directives against the prompt (DirectiveError: DECAY, whose
         text depends on the session's KV, goes through `submit`). `scratch` spans are in the
-        turn's prompt's coordinates (the prompt with `directives` applied); `scratch_tags`
-        and `move` as in `submit`."""
+        turn's prompt's coordinates (the prompt with `directives` applied); `scratch_tags`,
+        `move` and `recompute` as in `submit`."""
         vocab, s = self.model.config.vocab_size, self.table.get(session)
         req, n = intake.prompt_turn(self, s, prompt, mode, directives, sampling, vocab)
-        intake.options(req, scratch, scratch_tags, move, n, vocab)
+        intake.options(req, scratch, scratch_tags, move, n, vocab, recompute)
         return self.table.enqueue(req)
 
     @lockstep("own")

@@ -12,6 +12,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from leyline_jax.directives import check_recompute
 from leyline_jax.hf_config import is_int
 from leyline_jax.kv_state import checked_growth
 
@@ -33,7 +34,9 @@ class EngineConfig:
     shapes a server compiles (`leyline_jax.paged.step_shapes`). `bucket_growth`: each bucket
     over the one before (None: `leyline_jax.kv_state.BUCKET_GROWTH`, powers of two): larger,
     fewer shapes to compile and more padding per step. `radix`: keep the radix
-    prefix cache. `move`: MOVE by default (a turn may say otherwise)."""
+    prefix cache. `move`: MOVE by default (a turn may say otherwise). `recompute`: the budget
+    a turn's AMORTIZE and MOVE splices recompute by default (`Directive.recompute`: a token
+    count or a fraction of the downstream; a turn or a directive may say otherwise)."""
 
     num_pages: int = 512
     page_size: int = 16
@@ -46,6 +49,7 @@ class EngineConfig:
     bucket_growth: int | None = None
     radix: bool = True
     move: bool = False
+    recompute: int | float = 0
 
     def __post_init__(self):
         for name in (
@@ -71,6 +75,10 @@ class EngineConfig:
         for name in ("radix", "move"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool")
+        try:
+            object.__setattr__(self, "recompute", check_recompute(self.recompute))
+        except ValueError as e:
+            raise ValueError(f"recompute={self.recompute!r}: {e}") from None
         for name in ("kv_dtype", "k_pe_dtype"):
             v = getattr(self, name)
             if isinstance(v, str):  # a command line's name: bf16, fp32
@@ -100,6 +108,8 @@ class EngineConfig:
             "prefill_chunk": "most prompt tokens one turn feeds per step",
             "max_num_batched_tokens": "most new tokens one step carries (bounds compiled shapes)",
             "bucket_growth": "each shape bucket over the one before (default 2)",
+            "recompute": "what an AMORTIZE splice recomputes by default: a fraction of its "
+            "downstream (0.15) or a token count (600)",
         }
         default = EngineConfig()
         for name, text in helps.items():
@@ -108,6 +118,8 @@ class EngineConfig:
             flag = "--" + name.replace("_", "-")
             if name == "kv_dtype":
                 ap.add_argument(flag, default="bf16", choices=["bf16", "fp32"], help=text)
+            elif name == "recompute":
+                ap.add_argument(flag, type=_budget, default=default.recompute, help=text)
             else:
                 ap.add_argument(flag, type=int, default=getattr(default, name), help=text)
 
@@ -117,3 +129,11 @@ class EngineConfig:
         names = [f.name for f in dataclasses.fields(cls)]
         given = {k: getattr(args, k) for k in names if hasattr(args, k)}
         return cls(**{**given, **overrides})
+
+
+def _budget(text: str) -> int | float:
+    """`--recompute`: a fraction when written with a point (0.15, 1.0), else a token count."""
+    try:
+        return check_recompute(float(text) if "." in text else int(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

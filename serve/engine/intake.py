@@ -78,9 +78,9 @@ def prompt_turn(engine, s: Session, prompt, mode, directives, sampling, vocab: i
     return req, len(final)
 
 
-def options(req: Request, scratch, scratch_tags, move, length, vocab: int) -> Request:
-    """Check and set a turn's SCRATCH and MOVE options (spans against `length`, the prompt's,
-    when known now; else when the turn runs)."""
+def options(req: Request, scratch, scratch_tags, move, length, vocab: int, recompute=None):
+    """Check and set a turn's SCRATCH, MOVE and recompute options (spans against `length`,
+    the prompt's, when known now; else when the turn runs). Returns the turn."""
     try:
         req.scratch = [tuple(x) for x in scratch]
     except TypeError as e:
@@ -96,4 +96,5 @@ def options(req: Request, scratch, scratch_tags, move, length, vocab: int) -> Re
     if move is not None and not isinstance(move, bool):
         raise ValueError(f"move must be a bool or None, got {move!r}")
     req.move = move
+    req.recompute = None if recompute is None else dv.check_recompute(recompute)
     return req

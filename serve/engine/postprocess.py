@@ -62,6 +62,8 @@ class Postprocess:
         if done.applied is not None:
             st.reused_tokens, st.spliced_tokens = done.applied.reused, done.applied.spliced
             st.moved_tokens = done.applied.moved
+            st.recomputed_tokens = done.applied.recomputed
+            self.counters["recomputed"] += done.applied.recomputed
         foreign = False
         if done.skipped:
             self.counters["moves_skipped"] += 1

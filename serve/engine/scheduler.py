@@ -192,7 +192,9 @@ class Scheduler:
         else:
             clean = planner.clean_after_edit(s.clean, kvp)
         move = self.config.move if req.move is None else req.move
-        edit = Edit(req, prompt, plan.directives, kvp.splices, kvp.cut, clean, kvp.kept, move)
+        budget = self.config.recompute if req.recompute is None else req.recompute
+        splices = dv.with_recompute(kvp.splices, budget)
+        edit = Edit(req, prompt, plan.directives, splices, kvp.cut, clean, kvp.kept, move)
         self._admitted[id(req)] = (edit, need)
         self.table.admit(req)
         req.status = Status.PREFILL

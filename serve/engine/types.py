@@ -68,6 +68,7 @@ class TurnStats:
     spliced_tokens: int = 0  # ... whose KV AMORTIZE moved and rotated
     prefilled_tokens: int = 0  # ... run through the model in this turn
     moved_tokens: int = 0  # of spliced_tokens, those MOVE copied from another position
+    recomputed_tokens: int = 0  # run through the model again after the splice (a budget)
     scratch_tokens: int = 0  # SCRATCH tokens spliced out of the session when the turn ended
     submitted_s: float = 0.0  # perf_counter() times, and the two spans measured from them
     first_token_s: float | None = None
@@ -106,6 +107,7 @@ class Request:
         self.scratch: list[tuple[int, int]] = []  # SCRATCH spans of the turn's prompt
         self.scratch_tags: tuple[tuple[int, ...], tuple[int, ...]] | None = None
         self.move: bool | None = None  # MOVE for this turn (None: the engine's default)
+        self.recompute: int | float | None = None  # its splices' budget (None: the engine's)
         self.decays: list | None = None  # the directives with DECAY resolved, once
         self.order = -1  # its place in submission order, once queued
 

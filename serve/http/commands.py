@@ -67,6 +67,7 @@ class Job:
     events: asyncio.Queue  # of `Event`s, put on the event loop (`post`)
     directives: list = dataclasses.field(default_factory=list)  # in `prompt`'s coordinates
     move: bool = False  # MOVE for this turn (`Engine.submit_prompt`)
+    recompute: float | None = None  # its splices' budget (`Engine.submit_prompt`)
     lineage: str | None = None  # a new session's lineage (`Engine.open_session`)
     salt: str = ""  # its radix cache's salt (`Engine.open_session`); the session's, if known
     incremental: bool = True  # tokens as each step samples them (else once, at the end)

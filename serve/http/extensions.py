@@ -55,7 +55,10 @@ class LeylineOptions(Closed):
     """`leyline`: `mode`, "amortize" (default) or "forget", for the edit the server finds by
     diffing the re-sent history against the session; `directives`, explicit message-granular
     edits; `return_token_ids`, also return the prompt's and the completion's token ids;
-    `move` and `lineage`, MOVE for this request and whose cached KV it may move."""
+    `move` and `lineage`, MOVE for this request and whose cached KV it may move;
+    `recompute`, the fraction of each AMORTIZE splice's downstream run through the model again
+    (`leyline_jax.Directive.recompute`; default the server's `--recompute`): between AMORTIZE
+    (0) and FORGET's KV (1), not a redaction."""
 
     mode: Literal["amortize", "forget"] = "amortize"
     directives: list[MessageDirective] = Field(default_factory=list, max_length=256)
@@ -67,6 +70,7 @@ class LeylineOptions(Closed):
     # the lineage a new session joins (like vLLM's cache_salt: only sessions of one lineage
     # MOVE each other's KV); default: its own
     lineage: str | None = Field(None, min_length=1, max_length=256)
+    recompute: float | None = Field(None, ge=0.0, le=1.0)
 
     @field_validator("lineage")
     @classmethod

@@ -66,7 +66,8 @@ _ITERATION = ("input_tokens", "output_tokens", "cache_creation_input_tokens",
 
 
 def anthropic_usage(out: Outcome) -> dict:
-    """A turn's usage in Anthropic's terms, with ours (`reused_tokens`, `spliced_tokens`)."""
+    """A turn's usage in Anthropic's terms, with ours (`reused_tokens`, `spliced_tokens`;
+    `recomputed_tokens`, of the spliced ones run again: `leyline.recompute`)."""
     u = usage(out.stats, len(out.output))
     read = u["prompt_tokens_details"]["cached_tokens"]
     return {
@@ -74,7 +75,7 @@ def anthropic_usage(out: Outcome) -> dict:
         "output_tokens": u["completion_tokens"],
         "cache_creation_input_tokens": 0,
         "cache_read_input_tokens": read,
-        **{k: u[k] for k in ("reused_tokens", "spliced_tokens")},  # read, split
+        **{k: u[k] for k in ("reused_tokens", "spliced_tokens", "recomputed_tokens")},
     }
 
 

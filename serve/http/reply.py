@@ -108,6 +108,7 @@ def usage(stats, completion: int) -> dict:
         "reused_tokens": stats.reused_tokens,
         "spliced_tokens": stats.spliced_tokens,
         "prefilled_tokens": stats.prefilled_tokens,
+        "recomputed_tokens": stats.recomputed_tokens,
     }
 
 

@@ -99,6 +99,7 @@ class Turns:
         mode = Mode[req.options.mode.upper()]
         job = Job(prompt, sampling, mode, caller.key, loop, asyncio.Queue(), list(directives))
         job.move, job.lineage = req.options.move, auth.scoped(caller.tenant, req.options.lineage)
+        job.recompute = req.options.recompute
         job.salt = auth.salt(caller.tenant, req.cache_salt)
         job.incremental = req.stream or bool(req.stops)  # else nothing to do before the end
         if not self.worker.alive:

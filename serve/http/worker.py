@@ -220,6 +220,7 @@ class EngineWorker:
                 sampling=job.sampling,
                 directives=job.directives,
                 move=job.move,
+                recompute=job.recompute,
             )
         except (ValueError, KeyError) as e:
             if known is None:  # nothing of the session exists yet: do not keep an empty one
