@@ -9,13 +9,17 @@ the project's own loader, paged state, directives and ragged step, as `benchmark
 Scenarios are the fidelity study's (`benchmarks.fidelity.scenario`, the same seeds and the same
 procedure, nothing tuned to the results): an agent conversation whose oldest 1 or 2 tool
 outputs are evicted to a stub, then a question about a field of an evicted record with the
-answer begun. Six arms, each on its own fork of the cached context:
+answer begun. Nine arms, each on its own fork of the cached context:
 
 - full: the unedited context;
 - forget, amortize: FORGET and AMORTIZE of every evicted span to the stub;
 - decay@5%, decay@10%, decay@25%: `Directive(s, e, stub, Mode.DECAY, budget=b)` for every
   evicted span, b = round(fraction * (e - s)), at least 1 (the kept tokens are chosen by
   `leyline_jax.importance` and stay ahead of the stub, their KV moved).
+- reconstruct@5%, reconstruct@10%, reconstruct@25%: the same DECAY with the kept tokens chosen
+  by the reconstruct rule (KVzip's: `apply_directives(..., decay_rule="reconstruct")`, the
+  model asked to repeat the tool output, each span token scored by the most attention the
+  repetition gives it; `leyline_jax.importance`), chosen without the question.
 
 Each arm then prefills the question and predicts. Measures:
 
@@ -67,7 +71,13 @@ from benchmarks.fidelity import (
 )
 
 FRACTIONS = (0.05, 0.10, 0.25)
-ARMS = ("full", "forget", "amortize", *(f"decay@{f:.0%}" for f in FRACTIONS))
+ARMS = (
+    "full", "forget", "amortize",
+    *(f"decay@{f:.0%}" for f in FRACTIONS),  # today's window rule
+    *(f"reconstruct@{f:.0%}" for f in FRACTIONS),  # KVzip's: the model asked to repeat the span
+)  # fmt: skip
+# the reconstruct rule's prompt: a user turn asking for the text again, the assistant's opening
+REPEAT = "Repeat the tool output above exactly, word for word."
 EDITED = ARMS[1:]
 BOOTSTRAP = 2000  # resamples for the recall-ratio interval
 
@@ -90,12 +100,12 @@ def directives(arm: str, spans, stub) -> list[ll.Directive]:
     budget: round(fraction * the span's length), at least 1)."""
     if arm in ("forget", "amortize"):
         return [ll.Directive(s, e, stub, ll.Mode(arm)) for s, e in spans]
-    f = FRACTIONS[ARMS.index(arm) - 3]
+    f = float(arm.split("@")[1].rstrip("%")) / 100
     decay = ll.Mode.DECAY
     return [ll.Directive(s, e, stub, decay, budget=max(1, round(f * (e - s)))) for s, e in spans]
 
 
-def run_scenario(model, state, sc, decode: int):
+def run_scenario(model, state, sc, decode: int, repeat=()):
     """Every arm on one scenario: (state, logits [6, V], continuations [6][decode],
     {arm: (seconds of apply_directives, Applied)})."""
     ids, spans, stub, q, _, _ = sc
@@ -107,8 +117,11 @@ def run_scenario(model, state, sc, decode: int):
     edits = {}
     for seq, arm in enumerate(EDITED, start=1):
         edit = directives(arm, spans, stub)
+        rule = "reconstruct" if arm.startswith("reconstruct@") else "window"
         (state, applied), dt = harness.clocked(
-            lambda s=state, n=seq, e=edit: ll.apply_directives(model, s, n, e, report=True)
+            lambda s=state, n=seq, e=edit, r=rule: ll.apply_directives(
+                model, s, n, e, report=True, decay_rule=r, repeat=repeat
+            )
         )
         edits[arm] = (dt, applied)
     state, logits, outs = greedy(model, state, seqs, [q] * len(seqs), decode)
@@ -209,9 +222,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--scenarios", type=int, default=100, help="disagreeing scenarios wanted")
     ap.add_argument("--max-attempts", type=int, default=400)
     ap.add_argument("--recall", type=int, default=100, help="evicted-fact questions answered")
-    args, path, model, chat, state = setup(ap, argv, max_seqs=len(ARMS), num_pages=512)
+    # a slot more than the arms: the reconstruct rule's spare sequence
+    args, path, model, chat, state = setup(ap, argv, max_seqs=len(ARMS) + 1, num_pages=768)
+    repeat = chat.message("user", REPEAT)[0] + chat.prompt()
     warm = scenario(0, chat)
-    (state, *_), warmup = harness.clocked(lambda: run_scenario(model, state, warm, RECALL_TOKENS))
+    (state, *_), warmup = harness.clocked(
+        lambda: run_scenario(model, state, warm, RECALL_TOKENS, repeat)
+    )
     n, stop = Counts(), Stop()
     t0 = time.perf_counter()
     while (
@@ -221,7 +238,8 @@ def main(argv=None) -> dict:
     ):
         sc = scenario(n.attempts, chat)
         want_recall = sc[5] and len(n.hits["full"]) < args.recall
-        state, *measured = run_scenario(model, state, sc, RECALL_TOKENS if want_recall else 1)
+        decode = RECALL_TOKENS if want_recall else 1
+        state, *measured = run_scenario(model, state, sc, decode, repeat)
         n.add(sc, *measured, n.kept < args.scenarios, want_recall, chat)
         progress(n.attempts, n.kept, len(n.hits["full"]), t0)
     res = n.result(path, stop.requested, time.perf_counter() - t0, warmup)

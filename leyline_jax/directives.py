@@ -308,25 +308,38 @@ def _check_source_pages(state: PagedKVState, seq: int, ds: Sequence[Directive]) 
 
 
 def resolve_decays(
-    model: CausalLM, state: PagedKVState, seq: int, directives: Sequence[Directive]
-) -> tuple[list[Directive], tuple[int, ...]]:
+    model: CausalLM,
+    state: PagedKVState,
+    seq: int,
+    directives: Sequence[Directive],
+    *,
+    rule: str = "window",
+    repeat=(),
+) -> tuple[PagedKVState, list[Directive], tuple[int, ...]]:
     """A validated batch with every DECAY resolved (`resolve_decay`): its kept tokens chosen
-    by `leyline_jax.importance` from `seq`'s KV as it is now. A DECAY at or after the batch's
-    first FORGET start keeps the same tokens as text (AMORTIZE: everything from the FORGET on
-    is prefilled again anyway). Returns (batch, kept positions)."""
+    by `leyline_jax.importance` (`rule`, and its `repeat` prompt) from `seq`'s KV as it is
+    now. A DECAY at or after the batch's first FORGET start keeps the same tokens as text
+    (AMORTIZE: everything from the FORGET on is prefilled again anyway). Returns (state,
+    batch, kept positions); `seq`'s KV is as it was."""
     out, kept = [], []
     tokens = None
     cut = min([d.start for d in directives if d.mode is Mode.FORGET], default=None)
     for d in directives:
         if d.mode is Mode.DECAY:
             tokens = state.token_ids[seq].tolist() if tokens is None else tokens
-            k = importance.decay_selection(model, state, seq, d.start, d.end, d.budget)
+            if rule == "reconstruct":
+                state, span = importance.reconstruction_scores(
+                    model, state, seq, d.start, d.end, repeat
+                )
+                k = [d.start + int(i) for i in importance.select(span, d.budget)]
+            else:
+                k = importance.decay_selection(model, state, seq, d.start, d.end, d.budget)
             kept += k
             d = resolve_decay(d, k, tokens)
             if cut is not None and d.start >= cut:
                 d = Directive(d.start, d.end, d.replacement, override_pin=d.override_pin)
         out.append(d)
-    return out, tuple(kept)
+    return state, out, tuple(kept)
 
 
 def apply_directives(
@@ -338,6 +351,8 @@ def apply_directives(
     impl: str | None = None,
     report: bool = False,
     recompute_rule: str = "deviation",
+    decay_rule: str = "window",
+    repeat=(),
 ) -> PagedKVState | tuple[PagedKVState, Applied]:
     """Apply an atomic batch of non-overlapping directives (pre-batch coordinates) to `seq`.
 
@@ -349,8 +364,12 @@ def apply_directives(
     With `report=True` returns `(state, Applied)`: how many tokens were reused, spliced and
     prefilled. A directive's `recompute` runs after the splice, chosen by `recompute_rule`
     (`leyline_jax.recompute.RULES`); a batch with a FORGET takes none (everything from the
-    FORGET on is prefilled again, and what it prefills must read the recomputed KV).
+    FORGET on is prefilled again, and what it prefills must read the recomputed KV). A
+    DECAY's kept tokens are chosen by `decay_rule` (`leyline_jax.importance.RULES`;
+    "reconstruct" with its `repeat` prompt's token ids, and a free sequence slot).
     """
+    if decay_rule not in importance.RULES:
+        raise DirectiveError(f"decay_rule must be one of {importance.RULES}, got {decay_rule!r}")
     if recompute_rule not in recompute.RULES:
         why = f"recompute_rule must be one of {recompute.RULES}, got {recompute_rule!r}"
         raise DirectiveError(why)
@@ -367,7 +386,7 @@ def apply_directives(
         raise DirectiveError(
             "recompute in a batch with a FORGET: apply the FORGET in a batch of its own"
         )
-    ds, kept = resolve_decays(model, state, seq, ds)
+    state, ds, kept = resolve_decays(model, state, seq, ds, rule=decay_rule, repeat=repeat)
     ds = validate(ds, length, vocab, tokens)
     _check_source_pages(state, seq, ds)
     new_tokens = apply_to_list(tokens, ds)

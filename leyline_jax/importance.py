@@ -14,6 +14,16 @@ The rule (SnapKV-style selection, one choice for all layers since the kept token
 
 Cost: one forward of the window's tokens, each attending to the whole sequence — a prefill of
 `WINDOW` tokens, whatever the span's length.
+
+The other rule, "reconstruct" (KVzip's, arXiv 2505.23416: score a context without knowing the
+question, by how much the model reads each token when asked to repeat it): on a spare sequence
+forked from this one (sharing its pages), the caller's `repeat` prompt (e.g. a user turn
+asking to repeat the text above, and the assistant's opening) and then the span's own tokens
+are prefilled, as if the model were repeating the span; each span token's score is the most
+attention any of the repeated tokens' queries gives it (heads summed), summed over layers;
+rules 3 and 4 as above. The spare sequence is freed after: the sequence's KV is untouched.
+Cost: a prefill of the prompt and the span on the fork, then the same probe of the span's
+tokens (`reconstruction_scores`).
 """
 
 from __future__ import annotations
@@ -24,30 +34,44 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from leyline_jax import allocator, paged
+from leyline_jax.allocator import OutOfPagesError
 from leyline_jax.kv_state import PagedKVState, bucket
 from leyline_jax.model import CausalLM, Split, merge
 
 WINDOW = 32  # recent queries scored (SnapKV's observation window)
 POOL = 5  # width of the average pool over the span's scores (SnapKV's kernel size)
 MIN_CTX_BUCKET = 16
+RULES = ("window", "reconstruct")
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _layer_mass(graph, params, pools, h, positions, live, ctx_slots, ctx_len):
+@functools.partial(jax.jit, static_argnums=(0, 8))
+def _layer_mass(graph, params, pools, h, positions, live, ctx_slots, ctx_len, reduce="sum"):
     """One layer of the probe (`pools`: that layer's pages alone): h after the layer, and
     f32[S] the attention the window's live queries (at `positions`) give each of the
     sequence's slots `ctx_slots` (slot s at position s; those at `ctx_len` and past are
-    padding), summed over queries and heads."""
+    padding), heads summed, then summed over the queries (`reduce` "sum") or their most
+    ("max")."""
     layer = merge(graph, params)
     s = jnp.arange(ctx_slots.shape[0])
     # a padding query may read slot 0 only (no empty softmax row); its mass is dropped below
     mask = (s[None, :] <= jnp.where(live, positions, 0)[:, None]) & (s[None, :] < ctx_len)
     out, m = layer.attn.probe(layer.input_norm(h), positions, pools, 0, ctx_slots, mask)
-    return layer.feed_forward(h + out), jnp.where(live[:, None], m, 0.0).sum(0)
+    m = jnp.where(live[:, None], m, 0.0)
+    return layer.feed_forward(h + out), m.max(0) if reduce == "max" else m.sum(0)
 
 
-def scores(model: CausalLM, state: PagedKVState, seq: int, *, window: int = WINDOW, graph=None):
-    """f64[n]: every cached token's attention mass from the last `window` queries (rule 2)."""
+def scores(
+    model: CausalLM,
+    state: PagedKVState,
+    seq: int,
+    *,
+    window: int = WINDOW,
+    graph=None,
+    reduce: str = "sum",
+):
+    """f64[n]: every cached token's attention mass from the last `window` queries (rule 2;
+    `reduce`: as `_layer_mass`)."""
     n = int(state.lengths[seq])
     w = min(window, n)
     wb, sb = bucket(w), bucket(n, MIN_CTX_BUCKET)
@@ -63,7 +87,8 @@ def scores(model: CausalLM, state: PagedKVState, seq: int, *, window: int = WIND
     graph = Split.of(model) if graph is None else graph
     h, total = graph.embed(toks), jnp.zeros(sb, jnp.float32)
     for i, layer in enumerate(graph.layers):  # one program per kind of layer
-        h, m = _layer_mass(*layer, state.pools.layer(i), h, positions, live, slots, np.int32(n))
+        args = (h, positions, live, slots, np.int32(n), reduce)
+        h, m = _layer_mass(*layer, state.pools.layer(i), *args)
         total = total + m  # float32, layer by layer
     with jax.transfer_guard_device_to_host("allow"):  # the read this function is for
         return np.asarray(total, np.float64)[:n]
@@ -80,6 +105,28 @@ def select(span_scores: np.ndarray, budget: int, *, pool: int = POOL) -> np.ndar
     pooled = np.convolve(padded, np.ones(pool), mode="valid")[: len(span_scores)]
     order = np.lexsort((np.arange(len(pooled)), -pooled))  # best first, earlier on ties
     return np.sort(order[:k])
+
+
+def reconstruction_scores(
+    model: CausalLM, state: PagedKVState, seq: int, start: int, end: int, repeat, graph=None
+):
+    """(state, f64[end - start]): the "reconstruct" rule's score of each token of the span
+    (see the module docstring), `repeat` the prompt's token ids. Needs a sequence slot not in
+    use (ValueError) and pages for the prompt and the span (OutOfPagesError), checked before
+    anything changes; the state comes back with the spare sequence freed."""
+    idle = [q for q in range(state.max_seqs) if not state.active[q]]
+    if not idle:
+        raise ValueError("the reconstruct rule needs a sequence slot not in use: none is free")
+    asked = [int(t) for t in repeat] + [int(t) for t in state.token_ids[seq][start:end]]
+    need = allocator.pages_for(int(state.lengths[seq]) + len(asked), state.page_size)
+    need -= int(state.lengths[seq]) // state.page_size  # whole pages stay shared
+    if need > len(allocator.free_pages(state)):
+        raise OutOfPagesError(f"the reconstruct rule needs {need} free pages")
+    spare = idle[0]
+    state = allocator.fork(state, seq, spare)
+    state, _ = paged.prefill(model, state, spare, asked)
+    s = scores(model, state, spare, window=end - start, graph=graph, reduce="max")
+    return allocator.free(state, spare), s[start:end]
 
 
 def decay_selection(

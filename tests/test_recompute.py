@@ -327,3 +327,52 @@ def test_the_engine_default_and_the_whole_downstream(np_ckpt):
         from serve.engine import EngineConfig
 
         EngineConfig(recompute=-1)
+
+
+# ---- DECAY's reconstruct rule (KVzip) -------------------------------------------------------
+REPEAT = [9, 8, 7, 6]  # the prompt asking for the repetition (any ids, for the reference)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "llama"])
+def test_reconstruct_scores_match_hf_attention(name, hf_ckpt, hf_model):
+    """The reconstruct rule's scores equal Hugging Face's eager attention weights over the
+    sequence, the prompt and the span repeated: per layer, the most any repeated token's
+    query gives each span token (heads summed), summed over layers; the sequence's KV, pages
+    and tokens as before."""
+    from leyline_jax import importance
+
+    path = hf_ckpt(name)
+    model, hf = ll.load_model(path), hf_model(path)
+    toks = random_tokens(120, seed=9).tolist()
+    start, end = 30, 50
+    state, _ = ll.prefill(model, state_for(model), 0, toks)
+    before, refs = kv_of(state), np.asarray(state.refcount).copy()
+    state, got = importance.reconstruction_scores(model, state, 0, start, end, REPEAT)
+    assert ll.tokens(state, 0) == toks and np.array_equal(np.asarray(state.refcount), refs)
+    assert all(np.array_equal(a, b) for a, b in zip(before, kv_of(state), strict=True))
+    full = toks + REPEAT + toks[start:end]
+    with torch.no_grad():
+        att = hf(torch.tensor(full)[None], output_attentions=True).attentions
+    q = slice(len(full) - (end - start), len(full))
+    want = sum(a[0].sum(0)[q, start:end].max(0).values.double().numpy() for a in att)
+    assert np.allclose(got, want, rtol=1e-4, atol=1e-6)
+    sums = sum(a[0].sum(0)[q, start:end].sum(0).double().numpy() for a in att)
+    assert not np.allclose(got, sums, rtol=1e-2)  # the most, not the sum: the check can tell
+
+
+def test_decay_by_reconstruction_keeps_what_the_scores_rank(np_ckpt):
+    from leyline_jax import importance
+
+    model = ll.load_model(np_ckpt("llama"))
+    toks = random_tokens(120, seed=10).tolist()
+    state, _ = ll.prefill(model, state_for(model), 0, toks)
+    state, span = importance.reconstruction_scores(model, state, 0, 30, 50, REPEAT)
+    want = [30 + int(i) for i in importance.select(span, 5)]
+    d = ll.Directive(30, 50, [3], ll.Mode.DECAY, budget=5)
+    state, done = ll.apply_directives(
+        model, state, 0, [d], report=True, decay_rule="reconstruct", repeat=REPEAT
+    )
+    assert list(done.kept) == want
+    assert ll.tokens(state, 0) == toks[:30] + [toks[p] for p in want] + [3] + toks[50:]
+    with pytest.raises(DirectiveError, match="decay_rule must be one of"):
+        ll.apply_directives(model, state, 0, [d], decay_rule="kvzip")

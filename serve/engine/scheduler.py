@@ -116,7 +116,7 @@ class Scheduler:
                 f"DECAY [{short[0].start}, {short[0].end}) needs the span's KV, but session "
                 f"{s.id} holds {s.cached} cached tokens"
             )
-        out, _ = dv.resolve_decays(self.pool.model, self.pool.state, s.seq, ds)
+        self.pool.state, out, _ = dv.resolve_decays(self.pool.model, self.pool.state, s.seq, ds)
         return dv.validate(out, len(s.tokens), self.pool.model.config.vocab_size, s.tokens)
 
     def _purge(self, s: Session, ds) -> None:
