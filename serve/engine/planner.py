@@ -110,7 +110,7 @@ def movable(kvp: KVPlan) -> tuple[KVPlan, int]:
     out, plain = [], 0
     for d in kvp.splices:
         if any(not x.pages and x.position + x.length > kvp.cut for x in d.sources):
-            d = Directive(d.start, d.end, d.replacement, override_pin=d.override_pin)
+            d = dataclasses.replace(d, mode=Mode.AMORTIZE, sources=())
             plain += 1
         out.append(d)
     return dataclasses.replace(kvp, splices=out), plain
