@@ -350,7 +350,7 @@ def apply_directives(
     *,
     impl: str | None = None,
     report: bool = False,
-    recompute_rule: str = "deviation",
+    recompute_rule: str = "border",
     decay_rule: str = "window",
     repeat=(),
 ) -> PagedKVState | tuple[PagedKVState, Applied]:
