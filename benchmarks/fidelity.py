@@ -479,7 +479,7 @@ def plot(results: list[str], timing: str, out: str) -> None:
     size = max(t, key=int)
     row = t[size]
     cost = {a: v / row["forget"] for a, v in row.items() if a not in ("downstream", "context")}
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
     for path in results:
         r = json.load(open(path))
         arms = [a for a in r["agreement"] if a != "scenarios" and a in cost]
