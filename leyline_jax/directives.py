@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from leyline_jax import allocator, importance, paged, recompute, splice
-from leyline_jax.allocator import SequenceError
+from leyline_jax.allocator import OutOfPagesError, SequenceError
 from leyline_jax.hf_config import is_int
 from leyline_jax.kv_state import PagedKVState
 from leyline_jax.model import CausalLM
@@ -327,7 +327,9 @@ def resolve_decays(
     for d in directives:
         if d.mode is Mode.DECAY:
             tokens = state.token_ids[seq].tolist() if tokens is None else tokens
-            if rule == "reconstruct":
+            if rule == "reconstruct" and not _scored(d):  # all or none: nothing to rank
+                k = list(range(d.start, d.start + min(d.budget, d.end - d.start)))
+            elif rule == "reconstruct":
                 state, span = importance.reconstruction_scores(
                     model, state, seq, d.start, d.end, repeat
                 )
@@ -363,10 +365,12 @@ def apply_directives(
     `state`. `impl` picks the splice implementation (see `pallas_kernels.splice_rotate`).
     With `report=True` returns `(state, Applied)`: how many tokens were reused, spliced and
     prefilled. A directive's `recompute` runs after the splice, chosen by `recompute_rule`
-    (`leyline_jax.recompute.RULES`); a batch with a FORGET takes none (everything from the
-    FORGET on is prefilled again, and what it prefills must read the recomputed KV). A
-    DECAY's kept tokens are chosen by `decay_rule` (`leyline_jax.importance.RULES`;
-    "reconstruct" with its `repeat` prompt's token ids, and a free sequence slot).
+    (`leyline_jax.recompute.RULES`); a batch with a FORGET and a `recompute` is refused
+    (DirectiveError: everything from the FORGET on is prefilled again, and what it prefills
+    would have to read the recomputed KV). A DECAY's kept tokens are chosen by `decay_rule`
+    (`leyline_jax.importance.RULES`; "reconstruct" with its `repeat` prompt's token ids, a free
+    sequence slot and pages for the prompt and the span, all checked, with the rest of the
+    batch, before the scoring runs).
     """
     if decay_rule not in importance.RULES:
         raise DirectiveError(f"decay_rule must be one of {importance.RULES}, got {decay_rule!r}")
@@ -386,25 +390,16 @@ def apply_directives(
         raise DirectiveError(
             "recompute in a batch with a FORGET: apply the FORGET in a batch of its own"
         )
+    if decay_rule == "reconstruct" and any(d.mode is Mode.DECAY for d in ds):
+        # the scoring runs on the device (a fork's prefill): everything else is checked first,
+        # with the DECAYs resolved to as many kept tokens as they will keep
+        _check_reconstruct(state, seq, ds, repeat, vocab)
+        _planned(state, seq, [_as_kept(d, tokens) for d in ds], tokens, length, vocab)
     state, ds, kept = resolve_decays(model, state, seq, ds, rule=decay_rule, repeat=repeat)
-    ds = validate(ds, length, vocab, tokens)
-    _check_source_pages(state, seq, ds)
-    new_tokens = apply_to_list(tokens, ds)
-    if len(new_tokens) > state.max_seq_len:
-        raise DirectiveError(
-            f"the edited sequence would hold {len(new_tokens)} tokens, more "
-            f"than max_seq_len={state.max_seq_len}"
-        )
-    if len(new_tokens) == 0:
-        raise DirectiveError("the edit would leave the sequence empty: free it instead")
-    if not ds:  # a DECAY that kept nothing of an empty span
+    ds, planned = _planned(state, seq, ds, tokens, length, vocab)
+    if planned is None:  # a DECAY that kept nothing of an empty span
         return (state, Applied(length, 0, 0, length)) if report else state
-    forget = [d for d in ds if d.mode is Mode.FORGET]
-    cut = forget[0].start if forget else length
-    spliced = [d for d in ds if d.end <= cut and d.mode in SPLICED]
-    cut_new = cut + sum(d.delta for d in spliced)
-    first = spliced[0].start if spliced else None
-    plan = allocator.plan_edit(state, seq, new_tokens, cut, first, cut_new)  # OutOfPagesError
+    new_tokens, cut, spliced, cut_new, plan = planned
     tail = new_tokens[cut_new:]
     state = splice.run_edit(model, state, seq, plan, tokens[:cut], spliced, tail, impl=impl)
     state, chosen = _recomputed(model, state, seq, spliced, recompute_rule)
@@ -417,6 +412,66 @@ def apply_directives(
     spl = (cut - reused) - sum(d.end - d.start for d in spliced) + moved
     pre = len(new_tokens) - reused - spl
     return state, Applied(reused, spl, pre, len(new_tokens), moved, kept, len(chosen))
+
+
+def _planned(state: PagedKVState, seq: int, ds, tokens, length: int, vocab: int):
+    """The host side of a resolved batch, checked (DirectiveError, OutOfPagesError): (the batch
+    validated, None when it is empty, else (the edited tokens, the cut, the spliced
+    directives, the cut in edited coordinates, the pages' plan)). Changes nothing."""
+    ds = validate(ds, length, vocab, tokens)
+    _check_source_pages(state, seq, ds)
+    new_tokens = apply_to_list(tokens, ds)
+    if len(new_tokens) > state.max_seq_len:
+        raise DirectiveError(
+            f"the edited sequence would hold {len(new_tokens)} tokens, more "
+            f"than max_seq_len={state.max_seq_len}"
+        )
+    if len(new_tokens) == 0:
+        raise DirectiveError("the edit would leave the sequence empty: free it instead")
+    if not ds:
+        return ds, None
+    forget = [d for d in ds if d.mode is Mode.FORGET]
+    cut = forget[0].start if forget else length
+    spliced = [d for d in ds if d.end <= cut and d.mode in SPLICED]
+    cut_new = cut + sum(d.delta for d in spliced)
+    first = spliced[0].start if spliced else None
+    plan = allocator.plan_edit(state, seq, new_tokens, cut, first, cut_new)  # OutOfPagesError
+    return ds, (new_tokens, cut, spliced, cut_new, plan)
+
+
+def _as_kept(d: Directive, tokens) -> Directive:
+    """A DECAY resolved as if it kept its span's first tokens (as many as it will keep)."""
+    if d.mode is not Mode.DECAY:
+        return d
+    return resolve_decay(d, range(d.start, d.start + min(d.budget, d.end - d.start)), tokens)
+
+
+def _scored(d: Directive) -> bool:
+    """Whether the reconstruct rule must score a DECAY (it keeps some of its span, not all)."""
+    return 0 < d.budget < d.end - d.start
+
+
+def _check_reconstruct(state: PagedKVState, seq: int, ds, repeat, vocab: int) -> None:
+    """What the reconstruct rule needs for the batch's DECAYs, before any runs: `repeat` token
+    ids in the vocabulary, a free sequence slot, room for the prompt and the span past the
+    sequence (max_seq_len) and pages for them (one DECAY's at a time: each fork is freed)."""
+    if any(not is_int(t) or not 0 <= t < vocab for t in repeat):
+        raise DirectiveError(f"repeat must be token ids in [0, {vocab})")
+    scored = [d for d in ds if d.mode is Mode.DECAY and _scored(d)]
+    if not scored:
+        return
+    if all(state.active[q] for q in range(state.max_seqs)):
+        raise DirectiveError("the reconstruct rule needs a sequence slot not in use: none is free")
+    n, ps = int(state.lengths[seq]), state.page_size
+    most = max(d.end - d.start for d in scored) + len(repeat)
+    if n + most > state.max_seq_len:
+        raise DirectiveError(
+            f"the reconstruct rule runs {most} tokens past the sequence's {n}: more than "
+            f"max_seq_len={state.max_seq_len}"
+        )
+    need = allocator.pages_for(n + most, ps) - n // ps
+    if need > len(allocator.free_pages(state)):
+        raise OutOfPagesError(f"the reconstruct rule needs {need} free pages")
 
 
 def _recomputed(model, state: PagedKVState, seq: int, spliced, rule: str):

@@ -380,3 +380,28 @@ def test_decay_by_reconstruction_keeps_what_the_scores_rank(np_ckpt):
     assert ll.tokens(state, 0) == toks[:30] + [toks[p] for p in want] + [3] + toks[50:]
     with pytest.raises(DirectiveError, match="decay_rule must be one of"):
         ll.apply_directives(model, state, 0, [d], decay_rule="kvzip")
+
+
+def test_reconstruct_checks_the_batch_before_it_scores(np_ckpt):
+    """Everything the batch needs is checked before the reconstruct rule's fork runs on the
+    device: a batch short of pages raises with the caller's state intact (usable after), and
+    bad `repeat` ids are refused by name; a DECAY keeping all or none of its span is not
+    scored."""
+    model = ll.load_model(np_ckpt("llama"))
+    toks = random_tokens(100, seed=11).tolist()
+    state = ll.init_state(model.config, num_pages=9, page_size=16, max_seqs=3, kv_dtype=jnp.float32)
+    state, _ = ll.prefill(model, state, 0, toks)  # 7 pages held, 2 free
+    decay = ll.Directive(10, 20, [], ll.Mode.DECAY, budget=3)
+    long = amortize(30, 31, list(range(40)))  # needs more pages than are free
+    with pytest.raises(ll.OutOfPagesError):
+        ll.apply_directives(model, state, 0, [decay, long], decay_rule="reconstruct", repeat=REPEAT)
+    state, _ = ll.prefill(model, state, 0, [1, 2])  # the state was not donated: still usable
+    with pytest.raises(DirectiveError, match="repeat must be token ids"):
+        ll.apply_directives(model, state, 0, [decay], decay_rule="reconstruct", repeat=[10**6])
+    for budget in (0, 10, 20):  # none, all, more than all: nothing to rank, nothing forked
+        fresh, _ = ll.prefill(model, state_for(model), 0, toks)
+        d = ll.Directive(40, 50, [3], ll.Mode.DECAY, budget=budget)
+        _, done = ll.apply_directives(
+            model, fresh, 0, [d], report=True, decay_rule="reconstruct", repeat=()
+        )
+        assert list(done.kept) == list(range(40, 40 + min(budget, 10)))

@@ -36,7 +36,8 @@ class EngineConfig:
     fewer shapes to compile and more padding per step. `radix`: keep the radix
     prefix cache. `move`: MOVE by default (a turn may say otherwise). `recompute`: the budget
     a turn's AMORTIZE and MOVE splices recompute by default (`Directive.recompute`: a token
-    count or a fraction of the downstream; a turn or a directive may say otherwise)."""
+    count or a fraction of the downstream; a turn may say otherwise, and a directive naming a
+    nonzero budget keeps its own; a DECAY resolved into a MOVE takes it too)."""
 
     num_pages: int = 512
     page_size: int = 16
